@@ -1,0 +1,26 @@
+# Set-up and entry points for a CPU machine with Python 3.11 and the local torch 2.13.0 wheel.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	rm -f $(VENV)/.installed-*
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade "pip==24.3.1"
+	# torch first and exactly pinned: the local CPU wheel, never the CUDA build from the index.
+	$(VENV)/bin/python -m pip install --quiet -c constraints-cpu.txt "torch==2.13.0"
+	$(VENV)/bin/python -m pip install --quiet -c constraints-cpu.txt -e ".[train,dev]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/arctic-rl demo
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .cache build *.egg-info

@@ -1,0 +1,1 @@
+"""PrimeRL adapter. Not implemented yet."""

@@ -1,0 +1,1 @@
+"""SkyRL adapter. Not implemented yet."""

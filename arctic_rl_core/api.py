@@ -1,0 +1,56 @@
+"""The training API: the one interface a framework programs against.
+
+`InProcessBackend` implements it in this process; the HTTP client implements
+the same interface against a server. Calls take and return the plain types
+of `arctic_rl_core.types`; a call that raises `InvalidRequest` changed nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from arctic_rl_core.types import (
+    CheckpointInfo,
+    Completion,
+    FwdBwdResult,
+    LogProbsResult,
+    LossSpec,
+    SamplingParams,
+    Sequence,
+    StepResult,
+)
+
+
+class TrainingAPI(ABC):
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[Completion]:
+        """Sample `sampling.n` completions per prompt from the last synced weights."""
+
+    @abstractmethod
+    def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0) -> LogProbsResult:
+        """Per-token log-probs (and entropy) of each response under the trainer's current weights."""
+
+    @abstractmethod
+    def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec) -> FwdBwdResult:
+        """Forward and backward; gradients add up over calls until `step`."""
+
+    @abstractmethod
+    def step(self, learning_rate: float | None = None) -> StepResult:
+        """Apply the accumulated gradients with the optimizer."""
+
+    @abstractmethod
+    def sync_weights(self) -> int:
+        """Push the trainer's weights to the sampler; return the new weight version."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str) -> CheckpointInfo:
+        """Save model, optimizer and counters to directory `path`."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        """Restore what `save_checkpoint` saved; the sampler is synced to the restored weights."""
+
+    @property
+    @abstractmethod
+    def weight_version(self) -> int:
+        """The version of the weights the sampler holds; `sync_weights` increments it."""

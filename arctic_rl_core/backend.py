@@ -1,0 +1,189 @@
+"""`InProcessBackend`: the training API on an engine and a sampler in this process.
+
+Every request is validated in full before the engine is touched, so a bad
+request leaves weights, optimizer state and accumulated gradients as they were.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pydantic
+
+from arctic_rl_core.api import TrainingAPI
+from arctic_rl_core.batching import build_micro_batches, require_fields, validate_sequences
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.losses.registry import LOSSES, POST_PROCESSORS
+from arctic_rl_core.types import (
+    CheckpointInfo,
+    Completion,
+    FwdBwdResult,
+    LogProbsResult,
+    LossSpec,
+    ProcessorSpec,
+    SamplingParams,
+    Sequence,
+    StepResult,
+)
+from arctic_rl_plugins.manager import get_plugin_manager
+
+
+def parse(model: type[pydantic.BaseModel], value: Any, field: str) -> Any:
+    """Validate `value` as `model`, turning pydantic's error into one that names the field."""
+    if isinstance(value, model):
+        return value
+    try:
+        return model.model_validate(value)
+    except pydantic.ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise InvalidRequest(f"{field}.{loc}" if loc else field, first["msg"]) from None
+
+
+def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
+    if not isinstance(sequences, list):
+        raise InvalidRequest(field, "must be a list of sequences")
+    return [parse(Sequence, s, f"{field}[{i}]") for i, s in enumerate(sequences)]
+
+
+class InProcessBackend(TrainingAPI):
+    def __init__(self, config: BackendConfig | dict):
+        self.config = parse(BackendConfig, config, "config")
+        plugins = get_plugin_manager()
+        engine_factory = plugins.engine_factory(self.config.engine.name)
+        sampler_factory = plugins.sampler_factory(self.config.sampler.name)
+        self.engine = engine_factory(self.config)
+        self.sampler = sampler_factory(self.config)
+        self._weight_version = 0
+        self._synced_step = 0
+        """Optimizer step count of the weights the sampler holds."""
+        # Training calls are applied one at a time, in order.
+        self._train_lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # -- validation --------------------------------------------------------------------------------
+
+    def _validated(self, sequences: Any) -> list[Sequence]:
+        seqs = parse_sequences(sequences)
+        validate_sequences(seqs, max_context=self.engine.max_context, vocab_size=self.engine.vocab_size)
+        return seqs
+
+    def _post_chain(self, post: list[ProcessorSpec]) -> list[tuple[Any, Any]]:
+        chain = []
+        for i, spec in enumerate(post):
+            entry = POST_PROCESSORS.get(spec.name, f"loss.post[{i}].name")
+            chain.append((entry, entry.parse_config(spec.config, f"loss.post[{i}].config")))
+        return chain
+
+    # -- the API -------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None) -> list[Completion]:
+        params = parse(SamplingParams, sampling or {}, "sampling")
+        if not isinstance(prompts, list) or not prompts:
+            raise InvalidRequest("prompts", "must hold at least one prompt")
+        if params.max_tokens <= 0:
+            raise InvalidRequest("sampling.max_tokens", f"must be > 0, got {params.max_tokens}")
+        vocab = self.engine.vocab_size
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, list) or not prompt:
+                raise InvalidRequest(f"prompts[{i}]", "must be a non-empty list of token ids")
+            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt):
+                raise InvalidRequest(f"prompts[{i}]", f"token ids must be integers in [0, {vocab})")
+            if len(prompt) + params.max_tokens > self.sampler.max_context:
+                raise InvalidRequest(
+                    f"prompts[{i}]",
+                    f"{len(prompt)} tokens + max_tokens {params.max_tokens} exceed the sampler's context {self.sampler.max_context}",
+                )
+        bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
+        if bad_stop is not None:
+            raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
+        return self.sampler.generate(prompts, params, self._weight_version)
+
+    def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0) -> LogProbsResult:
+        seqs = self._validated(sequences)
+        if not temperature > 0:
+            raise InvalidRequest("temperature", "must be > 0")
+        post = self._post_chain([ProcessorSpec(name="apply_temperature", config={"temperature": temperature})]) if temperature != 1.0 else []
+        micro = build_micro_batches(
+            seqs, token_budget=self.engine.config.micro_batch_tokens, weight_version=self._weight_version,
+            pad_id=self.engine.pad_token_id,
+        )
+        logprobs: list[list[float]] = [[] for _ in seqs]
+        entropy: list[list[float]] = [[] for _ in seqs]
+        for mb, out in self.engine.forward(micro, post, with_entropy):
+            offset = 0
+            for seq_id, length in zip(mb.sequence_ids, mb.response_lengths):
+                logprobs[seq_id] = out["logprobs"][offset : offset + length].tolist()
+                if with_entropy:
+                    entropy[seq_id] = out["entropy"][offset : offset + length].tolist()
+                offset += length
+        return LogProbsResult(logprobs=logprobs, entropy=entropy if with_entropy else None, weight_version=self._weight_version)
+
+    def fwd_bwd(self, sequences, loss: LossSpec | dict | str) -> FwdBwdResult:
+        spec = parse(LossSpec, {"name": loss} if isinstance(loss, str) else loss, "loss")
+        entry = LOSSES.get(spec.name, "loss.name")
+        loss_config = entry.parse_config(spec.config, "loss.config")
+        post = self._post_chain(spec.post)
+        seqs = self._validated(sequences)
+        require_fields(seqs, entry.required_fields(loss_config), f"loss {spec.name!r}")
+        micro = build_micro_batches(
+            seqs, token_budget=self.engine.config.micro_batch_tokens, weight_version=self._weight_version,
+            pad_id=self.engine.pad_token_id,
+        )
+        with self._train_lock:
+            value, metrics = self.engine.forward_backward(micro, entry, loss_config, post)
+        return FwdBwdResult(
+            loss=value,
+            metrics=metrics,
+            num_tokens=int(micro[0].inputs.num_tokens),
+            num_sequences=len(seqs),
+            weight_version=self._weight_version,
+        )
+
+    def step(self, learning_rate: float | None = None) -> StepResult:
+        if learning_rate is not None and not (isinstance(learning_rate, (int, float)) and learning_rate > 0):
+            raise InvalidRequest("learning_rate", f"must be > 0, got {learning_rate!r}")
+        with self._train_lock:
+            if not self.engine.has_gradients:
+                raise InvalidRequest("step", "no gradients accumulated since the last step; call fwd_bwd first")
+            grad_norm, lr = self.engine.optimizer_step(learning_rate)
+        return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
+
+    def sync_weights(self) -> int:
+        with self._train_lock:
+            self.sampler.load_weights(self.engine.named_full_weights())
+            self._weight_version += 1
+            self._synced_step = self.engine.steps
+        return self._weight_version
+
+    def save_checkpoint(self, path: str) -> CheckpointInfo:
+        if not isinstance(path, str) or not path:
+            raise InvalidRequest("path", "must be a directory path")
+        with self._train_lock:
+            if self.engine.has_gradients:
+                raise InvalidRequest("path", "gradients are accumulated but not stepped; call step before saving")
+            self.engine.save(path, {"weight_version": self._weight_version, "synced_step": self._synced_step})
+            return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
+
+    def load_checkpoint(self, path: str) -> CheckpointInfo:
+        if not isinstance(path, str) or not path:
+            raise InvalidRequest("path", "must be a directory path")
+        with self._train_lock:
+            state = self.engine.load(path)
+            self.sampler.load_weights(self.engine.named_full_weights())
+            # Weights stepped after the checkpoint's last sync were never published: they get a new version.
+            unpublished = self.engine.steps != int(state.get("synced_step", self.engine.steps))
+            self._weight_version = int(state.get("weight_version", 0)) + int(unpublished)
+            self._synced_step = self.engine.steps
+            return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
+
+    def state_digest(self) -> str:
+        """Hash of all weights and optimizer state (for tests and for checking that a request changed nothing)."""
+        return self.engine.state_digest()
+
+

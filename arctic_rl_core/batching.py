@@ -1,0 +1,166 @@
+"""From a list of `Sequence`s to padded micro-batches and per-token loss inputs.
+
+Each micro-batch is a right-padded [B, L] batch (attention cost per sequence
+only), plus the flat index of the position that predicts every response token:
+the first response token is predicted by the last prompt position.
+Micro-batches hold whole GRPO groups where the token budget allows, so that
+prefix sharing (ZoRRo) can work within one micro-batch; a group bigger than
+the budget is split between sequences, never inside one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.losses.inputs import LossInputs
+from arctic_rl_core.types import Sequence
+
+_OPTIONAL_TOKEN_FIELDS = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs")
+
+
+def validate_sequences(sequences: list[Sequence], *, max_context: int, vocab_size: int, field: str = "sequences") -> None:
+    """Raise `InvalidRequest` naming the field if any sequence cannot be processed by this model."""
+    if not sequences:
+        raise InvalidRequest(field, "must hold at least one sequence")
+    for i, seq in enumerate(sequences):
+        where = f"{field}[{i}]"
+        seq.check(where)
+        length = len(seq.prompt_ids) + len(seq.response_ids)
+        if length > max_context:
+            raise InvalidRequest(where, f"is {length} tokens long; the model's context is {max_context}")
+        for name in ("prompt_ids", "response_ids"):
+            top = max(getattr(seq, name))
+            if top >= vocab_size:
+                raise InvalidRequest(f"{where}.{name}", f"token id {top} is outside the vocabulary ({vocab_size})")
+
+
+def require_fields(sequences: list[Sequence], fields: tuple[str, ...], why: str, field: str = "sequences") -> None:
+    for i, seq in enumerate(sequences):
+        for name in fields:
+            if getattr(seq, name) is None:
+                raise InvalidRequest(f"{field}[{i}].{name}", f"is required by {why}")
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logit_rows: torch.Tensor
+    """Flat index into [B * L] of the position predicting each response token."""
+    targets: torch.Tensor
+    """The response tokens, flattened in sequence order."""
+    sequence_ids: list[int]
+    """Batch index of each sequence in this micro-batch, in flat order."""
+    response_lengths: list[int]
+    inputs: LossInputs
+
+
+def group_indices(sequences: list[Sequence]) -> list[int]:
+    """Dense group index per sequence; a sequence without a group id is a group of its own."""
+    ids: dict[object, int] = {}
+    out = []
+    for i, seq in enumerate(sequences):
+        key = ("group", seq.group_id) if seq.group_id is not None else ("single", i)
+        out.append(ids.setdefault(key, len(ids)))
+    return out
+
+
+def plan_micro_batches(sequences: list[Sequence], groups: list[int], token_budget: int) -> list[list[int]]:
+    """Partition sequence indices into micro-batches of at most `token_budget` padded tokens, groups kept whole."""
+    by_group: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+
+    def length(i: int) -> int:
+        return len(sequences[i].prompt_ids) + len(sequences[i].response_ids)
+
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_max = 0
+
+    def fits(extra: list[int]) -> bool:
+        longest = max([current_max] + [length(i) for i in extra])
+        return longest * (len(current) + len(extra)) <= token_budget
+
+    for members in by_group.values():
+        if current and not fits(members):
+            batches.append(current)
+            current, current_max = [], 0
+        for i in members:  # a group over the budget is split between sequences
+            if current and not fits([i]):
+                batches.append(current)
+                current, current_max = [], 0
+            current.append(i)
+            current_max = max(current_max, length(i))
+    if current:
+        batches.append(current)
+    return batches
+
+
+def build_micro_batches(
+    sequences: list[Sequence], *, token_budget: int, weight_version: int, pad_id: int = 0
+) -> list[MicroBatch]:
+    groups = group_indices(sequences)
+    masks = [
+        torch.tensor(s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids), dtype=torch.float32)
+        for s in sequences
+    ]
+    seq_tokens = torch.stack([m.sum() for m in masks])
+    group_tokens = torch.zeros(max(groups) + 1).index_add_(0, torch.tensor(groups), seq_tokens)
+    stats = dict(
+        seq_tokens=seq_tokens,
+        group_tokens=group_tokens,
+        num_tokens=float(seq_tokens.sum()),
+        num_sequences=int((seq_tokens > 0).sum()),
+        num_groups=int((group_tokens > 0).sum()),
+        weight_version=weight_version,
+    )
+
+    out = []
+    for members in plan_micro_batches(sequences, groups, token_budget):
+        width = max(len(sequences[i].prompt_ids) + len(sequences[i].response_ids) for i in members)
+        input_ids = torch.full((len(members), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(members), width), dtype=torch.long)
+        rows, targets, seq_index, lengths = [], [], [], []
+        for b, i in enumerate(members):
+            seq = sequences[i]
+            p, r = len(seq.prompt_ids), len(seq.response_ids)
+            input_ids[b, : p + r] = torch.tensor(seq.prompt_ids + seq.response_ids)
+            attention_mask[b, : p + r] = 1
+            rows.append(torch.arange(p - 1, p + r - 1) + b * width)
+            targets.extend(seq.response_ids)
+            seq_index.extend([i] * r)
+            lengths.append(r)
+        seq_index_t = torch.tensor(seq_index)
+        per_token = {}
+        for name in _OPTIONAL_TOKEN_FIELDS:
+            values = [getattr(sequences[i], name) for i in members]
+            if all(v is not None for v in values):
+                per_token[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
+        versions = [sequences[i].behaviour_version for i in members]
+        if all(v is not None for v in versions):
+            per_token["behaviour_version"] = torch.tensor(
+                [v for i, v in zip(members, versions) for _ in sequences[i].response_ids], dtype=torch.float32
+            )
+        inputs = LossInputs(
+            loss_mask=torch.cat([masks[i] for i in members]),
+            seq_index=seq_index_t,
+            group_index=torch.tensor(groups)[seq_index_t],
+            **stats,
+            **per_token,
+        )
+        out.append(
+            MicroBatch(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                logit_rows=torch.cat(rows),
+                targets=torch.tensor(targets, dtype=torch.long),
+                sequence_ids=list(members),
+                response_lengths=lengths,
+                inputs=inputs,
+            )
+        )
+    return out

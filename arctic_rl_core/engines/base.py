@@ -1,0 +1,61 @@
+"""The contract between the backend and a training engine.
+
+The backend validates requests and builds micro-batches; the engine owns
+the model, the optimizer and their state. Engines are discovered through
+the `arctic_rl_training_engines` plugin hook.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+import torch
+
+from arctic_rl_core.batching import MicroBatch
+from arctic_rl_core.losses.registry import Registered
+
+
+class TrainingEngine(ABC):
+    max_context: int
+    vocab_size: int
+    pad_token_id: int
+
+    @abstractmethod
+    def forward_backward(
+        self, micro_batches: list[MicroBatch], loss: Registered, loss_config, post: list[tuple[Registered, object]]
+    ) -> tuple[float, dict[str, float]]:
+        """Accumulate gradients of the loss over all micro-batches; return the loss and additive metrics."""
+
+    @abstractmethod
+    def forward(
+        self, micro_batches: list[MicroBatch], post: list[tuple[Registered, object]], with_entropy: bool
+    ) -> list[tuple[MicroBatch, dict[str, torch.Tensor]]]:
+        """Per-token outputs ("logprobs", optionally "entropy") without gradients."""
+
+    @abstractmethod
+    def optimizer_step(self, learning_rate: float | None) -> tuple[float, float]:
+        """Apply accumulated gradients; return (grad_norm, learning_rate). Clears gradients."""
+
+    @property
+    @abstractmethod
+    def has_gradients(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def steps(self) -> int: ...
+
+    @abstractmethod
+    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (gathered, LoRA-merged) weights under the base model's parameter names."""
+
+    @abstractmethod
+    def save(self, path: str, client_state: dict) -> None: ...
+
+    @abstractmethod
+    def load(self, path: str) -> dict:
+        """Restore model and optimizer; return the client state saved with them."""
+
+    @abstractmethod
+    def state_digest(self) -> str:
+        """A hash of all weights and optimizer state: equal digests, equal training state."""

@@ -1,0 +1,258 @@
+"""The training engine: any Hugging Face causal LM under DeepSpeed ZeRO (stage 0-3).
+
+Gradient accumulation across micro-batches *and* across `fwd_bwd` calls:
+every backward runs with DeepSpeed's accumulation boundary off; `step` sets
+the boundary, reduces gradients once and steps. With ZeRO-1/2 a boundary per
+`fwd_bwd` call would make the second call overwrite the first one's
+gradients, so the boundary belongs to `step` alone. ZeRO-2 runs with
+`contiguous_gradients` off because its contiguous bucket cannot be flushed
+empty at that boundary (DeepSpeed 0.19 raises IndexError).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from arctic_rl_core.batching import MicroBatch
+from arctic_rl_core.config import BackendConfig, EngineConfig
+from arctic_rl_core.engines.base import TrainingEngine
+from arctic_rl_core.engines.distributed import init_distributed
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.losses.inputs import LossInputs
+from arctic_rl_core.losses.registry import POST_PROCESSORS, Registered
+
+_CHECKPOINT_TAG = "state"
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": config.zero_stage}
+    if config.zero_stage == 2:
+        zero["contiguous_gradients"] = False
+    generated = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "gradient_clipping": config.grad_clip or 0.0,
+        "bf16": {"enabled": config.dtype == "bfloat16"},
+        "fp16": {"enabled": config.dtype == "float16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+    }
+    return deep_merge(generated, config.ds_config)
+
+
+def _digest_update(h: "hashlib._Hash", obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            h.update(str(key).encode())
+            _digest_update(h, obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _digest_update(h, item)
+    elif obj is None or isinstance(obj, (int, float, str, bool)):
+        h.update(repr(obj).encode())
+
+
+class DeepSpeedEngine(TrainingEngine):
+    def __init__(self, config: BackendConfig):
+        init_distributed()
+        import deepspeed
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        ec = config.engine
+        if ec.lora is not None and ec.zero_stage == 3:
+            raise InvalidRequest("engine.lora", "LoRA is supported with zero_stage 0-2 (adapters are merged for sync)")
+        if not os.path.isdir(config.model_path):
+            raise InvalidRequest("model_path", f"{config.model_path!r} is not a directory")
+        self.config = ec
+        self.stage = ec.zero_stage
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.max_context = hf_config.max_position_embeddings
+        self.vocab_size = hf_config.vocab_size
+        pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
+        self.pad_token_id = int(pad[0] if isinstance(pad, list) else pad or 0)
+
+        torch.manual_seed(ec.seed)
+        ds_config = deepspeed_config(ec)
+        # Kept alive while the model loads: from_pretrained then partitions weights as it reads them (ZeRO-3).
+        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if ec.zero_stage == 3 else None
+        model = AutoModelForCausalLM.from_pretrained(
+            config.model_path, dtype=getattr(torch, ec.dtype), attn_implementation=ec.attn_implementation
+        )
+        if ec.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        if ec.lora is not None:
+            import peft
+
+            model = peft.get_peft_model(
+                model,
+                peft.LoraConfig(
+                    r=ec.lora.r, lora_alpha=ec.lora.alpha, lora_dropout=ec.lora.dropout,
+                    target_modules=ec.lora.target_modules, task_type="CAUSAL_LM",
+                ),
+            )
+        self._lora = ec.lora is not None
+        self._causal_lm = model.get_base_model() if self._lora else model
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = None
+        if "optimizer" not in ds_config:
+            optimizer = torch.optim.AdamW(params, lr=ec.learning_rate, betas=ec.betas, eps=ec.eps, weight_decay=ec.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, model_parameters=params, config=ds_config
+        )
+        self.engine.set_gradient_accumulation_boundary(False)
+        self._has_gradients = False
+        self._steps = 0
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
+        lm = self._causal_lm
+        hidden = lm.base_model(
+            input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device), use_cache=False
+        ).last_hidden_state
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.logit_rows.to(self.device))
+        outputs = {"logits": lm.get_output_embeddings()(rows), "targets": mb.targets.to(self.device)}
+        chain = list(post) + [(POST_PROCESSORS.get("compute_logprobs", "post"), None)]
+        if with_entropy:
+            chain.append((POST_PROCESSORS.get("compute_entropy", "post"), None))
+        for processor, cfg in chain:
+            outputs.update(processor.fn(outputs, mb.inputs, cfg))
+        return outputs
+
+    def _inputs_on_device(self, inputs: LossInputs) -> LossInputs:
+        moved = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()}
+        return LossInputs(**moved)
+
+    def forward_backward(self, micro_batches, loss, loss_config, post):
+        self.engine.train()
+        with_entropy = bool(getattr(loss_config, "needs_entropy", lambda: False)())
+        total = 0.0
+        metrics: dict[str, float] = defaultdict(float)
+        for k, mb in enumerate(micro_batches):
+            mb.inputs = self._inputs_on_device(mb.inputs)
+            outputs = self._outputs(mb, post, with_entropy)
+            value, mb_metrics = loss.fn(outputs, mb.inputs, loss_config)
+            if value.dim() != 0:
+                raise ArcticRLError(f"loss {loss.name!r} returned shape {tuple(value.shape)}, expected a scalar")
+            if not torch.isfinite(value):
+                raise ArcticRLError(
+                    f"loss {loss.name!r} is {value.item()} in micro-batch {k}; "
+                    f"{'earlier micro-batches of this call already accumulated gradients' if k else 'no gradient was accumulated'}"
+                )
+            self.engine.backward(value)
+            self._has_gradients = True
+            total += value.item()
+            for name, m in mb_metrics.items():
+                metrics[name] += float(m)
+        return total, dict(metrics)
+
+    @torch.no_grad()
+    def forward(self, micro_batches, post, with_entropy):
+        self.engine.eval()
+        results = []
+        for mb in micro_batches:
+            mb.inputs = self._inputs_on_device(mb.inputs)
+            out = self._outputs(mb, post, with_entropy)
+            results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in ("logprobs", "entropy")}))
+        return results
+
+    # -- optimizer -------------------------------------------------------------------------------
+
+    @property
+    def has_gradients(self) -> bool:
+        return self._has_gradients
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def _grad_norm_stage0(self) -> float:
+        grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+
+    def optimizer_step(self, learning_rate):
+        if learning_rate is not None:
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = learning_rate
+        self.engine.set_gradient_accumulation_boundary(True)
+        self.engine.allreduce_gradients()
+        grad_norm = self._grad_norm_stage0() if self.stage == 0 else None
+        self.engine.step()
+        if grad_norm is None:
+            grad_norm = float(self.engine.get_global_grad_norm())
+        self.engine.set_gradient_accumulation_boundary(False)
+        self._has_gradients = False
+        self._steps += 1
+        return grad_norm, float(self.engine.optimizer.param_groups[0]["lr"])
+
+    # -- weights and state ------------------------------------------------------------------------
+
+    @contextmanager
+    def _gathered(self, params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params), enabled=self.stage == 3):
+            yield
+
+    @contextmanager
+    def _merged(self):
+        if not self._lora:
+            yield
+            return
+        self.engine.module.merge_adapter()
+        try:
+            yield
+        finally:
+            self.engine.module.unmerge_adapter()
+
+    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        with self._merged():
+            for name, param in self._causal_lm.named_parameters():
+                if self._lora:
+                    if "lora_" in name:
+                        continue
+                    name = name.replace(".base_layer.", ".")
+                with self._gathered([param]):
+                    yield name, param.detach().clone()
+
+    def save(self, path: str, client_state: dict) -> None:
+        self.engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state={**client_state, "steps": self._steps})
+
+    def load(self, path: str) -> dict:
+        if not os.path.isdir(os.path.join(path, _CHECKPOINT_TAG)):
+            raise InvalidRequest("path", f"{path!r} holds no Arctic RL checkpoint")
+        _, client_state = self.engine.load_checkpoint(path, tag=_CHECKPOINT_TAG, load_optimizer_states=True)
+        self.engine.set_gradient_accumulation_boundary(False)
+        self._has_gradients = False
+        self._steps = int(client_state.get("steps", 0))
+        return client_state
+
+    def state_digest(self) -> str:
+        h = hashlib.sha256()
+        for name, param in self.engine.module.named_parameters():
+            with self._gathered([param]):
+                h.update(name.encode())
+                _digest_update(h, param)
+        _digest_update(h, self.engine.optimizer.state_dict())
+        return h.hexdigest()

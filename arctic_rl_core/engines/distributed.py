@@ -1,0 +1,35 @@
+"""torch.distributed set-up for the training engine.
+
+Under a launcher (deepspeed, torchrun, Ray) the rendezvous variables are
+already set. Run directly, we are a world of one: fill them in, with a free
+loopback port, so DeepSpeed can initialise. CPU machines use DeepSpeed's CPU
+accelerator and gloo; GPU machines NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)

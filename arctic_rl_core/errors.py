@@ -1,0 +1,32 @@
+"""Errors raised by the training API.
+
+Every error a caller can cause names the offending field, so a framework can
+report it without reading our source. A call that raises `InvalidRequest`
+has changed no state.
+"""
+
+from __future__ import annotations
+
+
+class ArcticRLError(Exception):
+    """Base class of all Arctic RL errors."""
+
+
+class InvalidRequest(ArcticRLError, ValueError):
+    """The request is malformed. `field` is a dotted path into the request."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class UnknownName(InvalidRequest):
+    """A loss, post-processor, engine or sampler name that no plugin provides."""
+
+    def __init__(self, field: str, kind: str, name: str, known: list[str]):
+        super().__init__(field, f"unknown {kind} {name!r}; known: {', '.join(sorted(known)) or 'none'}")
+
+
+class PluginError(ArcticRLError):
+    """A plugin failed to load or register."""

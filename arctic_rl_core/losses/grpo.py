@@ -1,0 +1,186 @@
+"""GRPO / PPO-family policy loss with the knobs RL researchers use.
+
+Per response token (logp: current policy, old: behaviour policy, A: advantage):
+
+  prox   = old                                      (use_decoupled_loss=False)
+         = proximal_logprobs or logp.detach()       (prox_logp_method=recompute)
+         = old + a * (logp.detach() - old)          (prox_logp_method=loglinear,
+             a = (d - 1) / d, d = current_version - behaviour_version, a = 0 for d <= 1)
+  r      = exp(logp - prox)
+  pg     = max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_higher))      (PPO, clip-higher)
+  pg     = min(pg, -A c_clip)   where A < 0                               (dual clip)
+  pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead)
+  pg    *= sg(exp(prox - old)), tokens with weight > behav_imp_weight_cap masked   (decoupled)
+  M2PO:  mask the tokens with the largest (prox - old)^2 until the rest's mean < m2_threshold
+  token  = pg + kl_loss_coef * KL(logp, ref) - entropy_coeff * entropy
+  KL     k1: logp - ref;   k3 / low_var_kl: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]
+  loss   = aggregate(token, loss_agg_mode)
+
+Without behaviour log-probs the data is taken as on-policy: old = logp.detach().
+docs/losses.md gives the same formulas with every config key.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from arctic_rl_core.losses.inputs import LossInputs
+from arctic_rl_core.losses.registry import register_loss_fn
+
+
+class GRPOConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    eps_clip: float = Field(0.2, ge=0)
+    eps_clip_higher: float | None = Field(None, ge=0)
+    """Upper clip bound (clip-higher, DAPO). Defaults to eps_clip."""
+    c_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant for negative advantages."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "prompt-mean"] = "token-mean"
+    kl_loss_coef: float = Field(0.0, ge=0)
+    kl_loss_type: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
+    entropy_coeff: float = 0.0
+    use_cispo_loss: bool = False
+    is_weight_clip_min: float = Field(0.0, ge=0)
+    is_weight_clip_max: float = Field(5.0, gt=0)
+    m2_threshold: float | None = Field(None, gt=0)
+    use_decoupled_loss: bool = False
+    prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
+    behav_imp_weight_cap: float | None = Field(None, gt=0)
+    current_version: int | None = None
+    """Version of the policy being trained, for loglinear; defaults to the engine's weight version."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GRPOConfig":
+        if self.is_weight_clip_min >= self.is_weight_clip_max:
+            raise ValueError("is_weight_clip_min must be below is_weight_clip_max")
+        return self
+
+    def required_fields(self) -> tuple[str, ...]:
+        needed = []
+        if self.use_decoupled_loss or self.m2_threshold is not None:
+            needed.append("behaviour_logprobs")
+        if self.use_decoupled_loss and self.prox_logp_method == "loglinear":
+            needed.append("behaviour_version")
+        if self.kl_loss_coef > 0:
+            needed.append("ref_logprobs")
+        return tuple(needed)
+
+    def needs_entropy(self) -> bool:
+        return self.entropy_coeff != 0
+
+
+def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "k1":
+        return logp - ref
+    log_ratio = ref - logp
+    return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
+
+
+def loglinear_proximal(logp: torch.Tensor, old: torch.Tensor, behaviour_version: torch.Tensor, current_version: int):
+    """Log-linear interpolation to the policy one version behind `current_version` (A-3PO)."""
+    staleness = (current_version - behaviour_version).to(logp.dtype)
+    alpha = torch.where(staleness > 1, (staleness - 1) / staleness.clamp(min=1), torch.zeros_like(staleness))
+    return old + alpha * (logp.detach() - old)
+
+
+def m2po_keep_mask(second_moment: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
+    """1 for tokens kept after masking the largest values until the rest's mean is below `threshold`."""
+    keep = valid.clone()
+    values = second_moment[valid > 0]
+    if values.numel() == 0 or values.mean() < threshold:
+        return keep
+    ordered, order = torch.sort(values, descending=True)
+    n = ordered.numel()
+    removed = torch.arange(n + 1, dtype=ordered.dtype, device=ordered.device)
+    rest_sum = ordered.sum() - torch.cat([ordered.new_zeros(1), ordered.cumsum(0)])
+    rest_mean = rest_sum / (n - removed).clamp(min=1)
+    below = (rest_mean < threshold).nonzero()
+    k = int(below[0]) if below.numel() else n
+    dropped = torch.zeros(n, dtype=keep.dtype, device=keep.device)
+    dropped[order[:k]] = 1
+    kept_valid = keep[valid > 0] * (1 - dropped)
+    keep[valid > 0] = kept_valid
+    return keep
+
+
+@register_loss_fn("grpo", config=GRPOConfig, requires=("advantages",))
+def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPOConfig):
+    logp = outputs["logprobs"]
+    adv = inputs.advantages
+    mask = inputs.loss_mask
+    old = inputs.behaviour_logprobs if inputs.behaviour_logprobs is not None else logp.detach()
+
+    if not config.use_decoupled_loss:
+        prox = old
+    elif config.prox_logp_method == "recompute":
+        prox = inputs.proximal_logprobs if inputs.proximal_logprobs is not None else logp.detach()
+    else:
+        current = config.current_version if config.current_version is not None else inputs.weight_version
+        prox = loglinear_proximal(logp, old, inputs.behaviour_version, current)
+
+    ratio = torch.exp(logp - prox)
+    eps_high = config.eps_clip if config.eps_clip_higher is None else config.eps_clip_higher
+    zero = torch.zeros_like(logp)
+    if config.use_cispo_loss:
+        is_weight = ratio.detach().clamp(config.is_weight_clip_min, config.is_weight_clip_max)
+        pg = -is_weight * adv * logp
+        r = ratio.detach()
+        clipped = ((r < config.is_weight_clip_min) | (r > config.is_weight_clip_max)).to(logp.dtype)
+        dual_clipped = zero
+    else:
+        unclipped = -adv * ratio
+        clipped_loss = -adv * ratio.clamp(1 - config.eps_clip, 1 + eps_high)
+        pg = torch.maximum(unclipped, clipped_loss)
+        clipped = (clipped_loss > unclipped).to(logp.dtype)
+        dual_clipped = zero
+        if config.c_clip is not None:
+            floor = -adv * config.c_clip
+            dual_clipped = ((adv < 0) & (pg > floor)).to(logp.dtype)
+            pg = torch.where(adv < 0, torch.minimum(pg, floor), pg)
+
+    # `keep` drops tokens from the loss on top of the caller's mask; denominators stay batch-wide,
+    # so a dropped token counts as "says nothing", as in AReaL and M2PO.
+    active = (mask > 0).to(logp.dtype)
+    dropped = zero
+    behav_capped = zero
+    if config.use_decoupled_loss:
+        behav_weight = torch.exp(prox - old).detach()
+        if config.behav_imp_weight_cap is not None:
+            behav_capped = (behav_weight > config.behav_imp_weight_cap).to(logp.dtype) * active
+            dropped = behav_capped
+        pg = pg * behav_weight
+    m2_masked = zero
+    if config.m2_threshold is not None:
+        target = prox if config.use_decoupled_loss else logp.detach()
+        candidates = active * (1 - dropped)
+        m2_masked = candidates - m2po_keep_mask((target.detach() - old) ** 2, candidates, config.m2_threshold)
+        dropped = dropped + m2_masked
+    keep = 1 - dropped
+
+    token_loss = pg
+    metrics = {}
+    if config.kl_loss_coef > 0:
+        kl = kl_penalty(logp, inputs.ref_logprobs, config.kl_loss_type)
+        token_loss = token_loss + config.kl_loss_coef * kl
+        metrics["kl"] = inputs.token_mean(kl * keep)
+    if config.entropy_coeff != 0:
+        entropy = outputs["entropy"]
+        token_loss = token_loss - config.entropy_coeff * entropy
+        metrics["entropy"] = inputs.token_mean(entropy * keep)
+
+    # Masked tokens leave the loss but keep the batch denominators: a mask is "this token says nothing".
+    weights = inputs.token_weights(config.loss_agg_mode)
+    loss = (token_loss * keep * weights).sum()
+    metrics.update(
+        pg_loss=(pg * keep * weights).sum().detach(),
+        clip_frac=inputs.token_mean(clipped * mask),
+        dual_clip_frac=inputs.token_mean(dual_clipped * mask),
+        ratio_mean=inputs.token_mean(ratio * mask),
+        behav_capped_frac=inputs.token_mean(behav_capped),
+        m2po_masked_frac=inputs.token_mean(m2_masked),
+    )
+    return loss, metrics

@@ -1,0 +1,105 @@
+"""Registries of loss functions and post-processors.
+
+`@register_loss_fn("name")` and `@register_post_processor("name")` add a
+function under a public name. Re-registering a name with a different
+function is an error, so two plugins cannot silently shadow each other.
+Each entry may carry a pydantic config model: unknown config keys are then
+rejected with the key's name before any model work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pydantic
+
+from arctic_rl_core.errors import InvalidRequest, UnknownName
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A registered loss or post-processor."""
+
+    name: str
+    fn: Callable[..., Any]
+    config_model: type[pydantic.BaseModel] | None = None
+    requires: tuple[str, ...] = ()
+    """Per-token `Sequence` fields the function needs (e.g. "advantages")."""
+    source: str = ""
+    """Where it came from: the defining module (the plugin manager adds the distribution)."""
+
+    def parse_config(self, config: dict[str, Any], where: str) -> Any:
+        if self.config_model is None:
+            if config:
+                raise InvalidRequest(f"{where}.{next(iter(config))}", f"{self.name!r} takes no config")
+            return None
+        try:
+            return self.config_model.model_validate(config)
+        except pydantic.ValidationError as err:
+            first = err.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise InvalidRequest(f"{where}.{loc}" if loc else where, first["msg"]) from None
+
+    def required_fields(self, config: Any) -> tuple[str, ...]:
+        """Fields needed under this config; a config may add to them (e.g. a KL term needs ref_logprobs)."""
+        extra = config.required_fields() if hasattr(config, "required_fields") else ()
+        return tuple(dict.fromkeys(self.requires + tuple(extra)))
+
+
+@dataclass
+class Registry:
+    kind: str
+    entries: dict[str, Registered] = field(default_factory=dict)
+
+    def add(self, entry: Registered) -> Registered:
+        existing = self.entries.get(entry.name)
+        if existing is not None and existing.fn is not entry.fn:
+            raise ValueError(
+                f"{self.kind} {entry.name!r} is already registered by {existing.source}; "
+                f"{entry.source} tried to register a different function under the same name"
+            )
+        self.entries[entry.name] = entry
+        return entry
+
+    def get(self, name: str, where: str) -> Registered:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise UnknownName(where, self.kind, name, list(self.entries)) from None
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+
+LOSSES = Registry("loss")
+POST_PROCESSORS = Registry("post-processor")
+
+
+def _decorator(registry: Registry, name: str, config: type[pydantic.BaseModel] | None, requires: tuple[str, ...]):
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        registry.add(Registered(name, fn, config, tuple(requires), f"{fn.__module__}.{fn.__qualname__}"))
+        fn.arctic_rl_registered = registry.entries[name]  # lets a plugin hand the entry back to the manager
+        return fn
+
+    return wrap
+
+
+def register_loss_fn(name: str, *, config: type[pydantic.BaseModel] | None = None, requires: tuple[str, ...] = ()):
+    """Register `fn(outputs, inputs, config) -> (loss, metrics)` as loss `name`.
+
+    `outputs` maps "logprobs" (and "entropy" when the config asks for it) to
+    per-response-token tensors; `inputs` is a `LossInputs`; the loss must be a
+    scalar normalised with the *global* denominators in `inputs` so that
+    micro-batch losses add up to the batch loss.
+    """
+    return _decorator(LOSSES, name, config, requires)
+
+
+def register_post_processor(name: str, *, config: type[pydantic.BaseModel] | None = None):
+    """Register `fn(outputs, inputs, config) -> dict` as post-processor `name`.
+
+    Post-processors run in order on the response-position logits before the
+    loss; each returns the entries it adds to or replaces in `outputs`.
+    """
+    return _decorator(POST_PROCESSORS, name, config, ())

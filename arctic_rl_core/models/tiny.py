@@ -1,0 +1,100 @@
+"""Tiny random-initialised models of real families, with a locally trained tokenizer.
+
+Nothing can be downloaded in our CI, so tests, benchmarks and the demo build
+their models here: a real Hugging Face config and architecture (Qwen3, Qwen2,
+Llama) at small size, and a byte-level BPE tokenizer trained with the
+`tokenizers` library on a small built-in corpus.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+Family = Literal["qwen3", "qwen2", "llama"]
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen2", "llama")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A model reads a question and writes an answer.
+SELECT name, age FROM users WHERE age > 30 ORDER BY name; SELECT COUNT(*) FROM orders GROUP BY city;
+CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT, age INTEGER, city TEXT);
+INSERT INTO orders VALUES (1, 'alice', 42.5); SELECT AVG(price) FROM items JOIN shops ON items.shop = shops.id;
+Which city has the most customers? How many orders were placed in 2024? What is the capital of France?
+Paris is the capital of France. Berlin is the capital of Germany. The river flows through the valley.
+0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = < > ( ) [ ] { } , . ; : ' " ? !
+question: answer: context: title: paragraph: reasoning step by step, the answer is
+"""
+
+
+def train_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer in transformers' fast-tokenizer format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _CORPUS.strip().splitlines() if line.strip()]
+    tok.train_from_iterator(lines * 20, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+    )
+
+
+def tiny_config(family: Family, *, vocab_size: int, layers: int = 2, hidden: int = 64, heads: int = 4,
+                kv_heads: int = 2, intermediate: int | None = None, max_positions: int = 2048, eos_token_id: int = 0):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3":
+        return Qwen3Config(head_dim=hidden // heads, **common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "llama":
+        return LlamaConfig(head_dim=hidden // heads, **common)
+    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: int = 64, heads: int = 4,
+                    kv_heads: int = 2, vocab_size: int = 512, max_positions: int = 2048, seed: int = 0) -> str:
+    """Write a random-initialised model and its tokenizer to `out_dir`; return the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if hidden % heads or heads % kv_heads:
+        raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
+    tokenizer = train_tokenizer(vocab_size)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = tiny_config(family, vocab_size=len(tokenizer), layers=layers, hidden=hidden, heads=heads,
+                         kv_heads=kv_heads, max_positions=max_positions, eos_token_id=eos)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,97 @@
+"""Interim sampler: transformers' own `generate` on a separate copy of the weights.
+
+It holds its own model, so what it samples is exactly the last synced
+weight version, as a vLLM engine would. The vLLM sampler replaces it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.types import Completion, SamplingParams
+
+
+class TransformersSampler(Sampler):
+    def __init__(self, config: BackendConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = getattr(torch, config.sampler.dtype or config.engine.dtype)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.max_context = self.model.config.max_position_embeddings
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+
+    @torch.no_grad()
+    def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
+        from transformers import GenerationConfig
+
+        stop_ids = self.eos_ids + sampling.stop_token_ids
+        greedy = sampling.temperature == 0
+        gen_config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else sampling.temperature,
+            top_p=None if greedy else sampling.top_p,
+            top_k=None if greedy else (sampling.top_k or None),
+            max_new_tokens=sampling.max_tokens,
+            eos_token_id=stop_ids or None,
+            pad_token_id=stop_ids[0] if stop_ids else 0,
+            stop_strings=sampling.stop or None,
+            num_return_sequences=sampling.n,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        completions = []
+        with torch.random.fork_rng(devices=[]):
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            for index, prompt in enumerate(prompts):
+                ids = torch.tensor([prompt], device=self.device)
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
+                    tokenizer=self.tokenizer if sampling.stop else None,
+                )
+                new = out.sequences[:, ids.shape[1]:]
+                # Log-probs under the temperature-scaled policy, before top-k/top-p truncation: what the
+                # trainer computes with the `apply_temperature` post-processor.
+                logits = torch.stack(out.logits, dim=1).float()
+                if not greedy:
+                    logits = logits / sampling.temperature
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                for row in range(new.shape[0]):
+                    tokens = new[row].tolist()
+                    end, reason = len(tokens), "length"
+                    for pos, tok in enumerate(tokens):
+                        if tok in stop_ids:
+                            end, reason = pos + 1, "stop"
+                            break
+                    completions.append(
+                        Completion(
+                            prompt_index=index,
+                            token_ids=tokens[:end],
+                            logprobs=logprobs[row, :end].tolist(),
+                            finish_reason=reason,
+                            weight_version=weight_version,
+                        )
+                    )
+        return completions
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        params = dict(self.model.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"sampler model has no parameter {name!r}")
+            params[name].copy_(tensor.to(params[name].dtype))
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"sync left sampler parameters unset: {sorted(missing)[:5]}")
+        return len(loaded)

@@ -1,0 +1,153 @@
+"""The typed values that cross the training API.
+
+Only plain data crosses: token ids, per-token float arrays, names and
+numbers. No framework objects and no tensors, so the same types serve the
+in-process backend and the HTTP client.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from arctic_rl_core.errors import InvalidRequest
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Sequence(_Strict):
+    """One prompt + response to train on or score.
+
+    Per-token arrays cover the response only: entry i belongs to
+    `response_ids[i]`. Log-probs are of the token itself (not shifted).
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    group_id: str | int | None = None
+    """GRPO group: sequences with the same id share their prompt."""
+    advantages: list[float] | None = None
+    behaviour_logprobs: list[float] | None = None
+    """Log-probs under the policy that sampled the response."""
+    behaviour_version: int | None = None
+    """The weight version that produced `behaviour_logprobs`."""
+    proximal_logprobs: list[float] | None = None
+    """Recomputed proximal-policy log-probs for decoupled (off-policy) losses."""
+    ref_logprobs: list[float] | None = None
+    loss_mask: list[float] | None = None
+    """1 to train on a response token, 0 to ignore it. Default: all ones."""
+
+    PER_TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "loss_mask")
+
+    def check(self, where: str) -> None:
+        """Raise `InvalidRequest` naming the field if this sequence is inconsistent."""
+        if not self.prompt_ids:
+            raise InvalidRequest(f"{where}.prompt_ids", "must hold at least one token")
+        if not self.response_ids:
+            raise InvalidRequest(f"{where}.response_ids", "must hold at least one token")
+        for name in ("prompt_ids", "response_ids"):
+            if min(getattr(self, name)) < 0:
+                raise InvalidRequest(f"{where}.{name}", "token ids must be >= 0")
+        n = len(self.response_ids)
+        for name in self.PER_TOKEN_FIELDS:
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != n:
+                raise InvalidRequest(
+                    f"{where}.{name}", f"has {len(values)} entries but response_ids has {n}"
+                )
+            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+            if bad is not None:
+                raise InvalidRequest(f"{where}.{name}[{bad}]", f"is {values[bad]}, must be finite")
+        if self.behaviour_logprobs is not None and any(v > 1e-4 for v in self.behaviour_logprobs):
+            raise InvalidRequest(f"{where}.behaviour_logprobs", "log-probs must be <= 0")
+        if self.loss_mask is not None and any(v < 0 for v in self.loss_mask):
+            raise InvalidRequest(f"{where}.loss_mask", "must be >= 0")
+
+
+class ProcessorSpec(_Strict):
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class LossSpec(_Strict):
+    """Which registered loss to use, its config, and post-processors applied to the logits first."""
+
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    post: list[ProcessorSpec] = Field(default_factory=list)
+
+
+class FwdBwdRequest(_Strict):
+    sequences: list[Sequence]
+    loss: LossSpec
+
+
+class FwdBwdResult(_Strict):
+    loss: float
+    metrics: dict[str, float]
+    num_tokens: int
+    """Response tokens with a non-zero loss mask."""
+    num_sequences: int
+    weight_version: int
+
+
+class StepRequest(_Strict):
+    learning_rate: float | None = Field(default=None, gt=0)
+
+
+class StepResult(_Strict):
+    step: int
+    """Optimizer steps taken so far."""
+    grad_norm: float
+    learning_rate: float
+
+
+class SamplingParams(_Strict):
+    n: int = Field(default=1, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    """0 disables top-k."""
+    max_tokens: int = 64
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+
+
+class GenerateRequest(_Strict):
+    prompts: list[list[int]]
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+
+class Completion(_Strict):
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    """Log-prob of each sampled token under the temperature-scaled policy."""
+    finish_reason: Literal["stop", "length"]
+    weight_version: int
+
+
+class LogProbsRequest(_Strict):
+    sequences: list[Sequence]
+    with_entropy: bool = False
+    temperature: float = Field(default=1.0, gt=0)
+
+
+class LogProbsResult(_Strict):
+    logprobs: list[list[float]]
+    """Per sequence, the log-prob of each response token."""
+    entropy: list[list[float]] | None = None
+    weight_version: int
+
+
+class CheckpointInfo(_Strict):
+    path: str
+    step: int
+    weight_version: int
