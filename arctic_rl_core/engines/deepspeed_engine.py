@@ -54,6 +54,26 @@ def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
     return deep_merge(generated, config.ds_config)
 
 
+class ResponseLogits(torch.nn.Module):
+    """The causal LM, returning logits only at the positions that predict response tokens.
+
+    Prompt positions never reach the LM head, which matters at real vocabulary
+    sizes. It is the module DeepSpeed wraps: every forward must go through
+    the DeepSpeed engine, whose forward advances ZeRO-3's accumulation state.
+    """
+
+    def __init__(self, model: torch.nn.Module, causal_lm: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self._causal_lm = [causal_lm]  # a list: not a second registration of the same parameters
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+        lm = self._causal_lm[0]
+        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, logit_rows)
+        return lm.get_output_embeddings()(rows)
+
+
 def _digest_update(h: "hashlib._Hash", obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous().reshape(-1)
@@ -118,7 +138,7 @@ class DeepSpeedEngine(TrainingEngine):
         if "optimizer" not in ds_config:
             optimizer = torch.optim.AdamW(params, lr=ec.learning_rate, betas=ec.betas, eps=ec.eps, weight_decay=ec.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, model_parameters=params, config=ds_config
+            model=ResponseLogits(model, self._causal_lm), optimizer=optimizer, model_parameters=params, config=ds_config
         )
         self.engine.set_gradient_accumulation_boundary(False)
         self._has_gradients = False
@@ -127,12 +147,12 @@ class DeepSpeedEngine(TrainingEngine):
     # -- forward ---------------------------------------------------------------------------------
 
     def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
-        lm = self._causal_lm
-        hidden = lm.base_model(
-            input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device), use_cache=False
-        ).last_hidden_state
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.logit_rows.to(self.device))
-        outputs = {"logits": lm.get_output_embeddings()(rows), "targets": mb.targets.to(self.device)}
+        logits = self.engine(
+            input_ids=mb.input_ids.to(self.device),
+            attention_mask=mb.attention_mask.to(self.device),
+            logit_rows=mb.logit_rows.to(self.device),
+        )
+        outputs = {"logits": logits, "targets": mb.targets.to(self.device)}
         chain = list(post) + [(POST_PROCESSORS.get("compute_logprobs", "post"), None)]
         if with_entropy:
             chain.append((POST_PROCESSORS.get("compute_entropy", "post"), None))
@@ -220,11 +240,11 @@ class DeepSpeedEngine(TrainingEngine):
         if not self._lora:
             yield
             return
-        self.engine.module.merge_adapter()
+        self.engine.module.model.merge_adapter()
         try:
             yield
         finally:
-            self.engine.module.unmerge_adapter()
+            self.engine.module.model.unmerge_adapter()
 
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         with self._merged():

@@ -43,7 +43,6 @@ class TransformersSampler(Sampler):
             eos_token_id=stop_ids or None,
             pad_token_id=stop_ids[0] if stop_ids else 0,
             stop_strings=sampling.stop or None,
-            num_return_sequences=sampling.n,
             return_dict_in_generate=True,
             output_logits=True,
         )
@@ -52,7 +51,7 @@ class TransformersSampler(Sampler):
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
             for index, prompt in enumerate(prompts):
-                ids = torch.tensor([prompt], device=self.device)
+                ids = torch.tensor([prompt] * sampling.n, device=self.device)
                 out = self.model.generate(
                     input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
                     tokenizer=self.tokenizer if sampling.stop else None,
