@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "plugins":  # plugins must stay light: no torch import
+        from arctic_rl_core.engines.distributed import select_accelerator
+
+        select_accelerator()
     return args.func(args)
 
 

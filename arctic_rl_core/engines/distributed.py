@@ -18,12 +18,22 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> None:
+def select_accelerator() -> None:
+    """Tell DeepSpeed to use its CPU accelerator where there is no GPU.
+
+    Must run before deepspeed is first imported (transformers imports it too):
+    otherwise DeepSpeed guesses, and prints its guess on stdout.
+    """
     import torch
 
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def init_distributed() -> None:
+    select_accelerator()
     import deepspeed
+    import torch
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -1,0 +1,81 @@
+"""The `arctic-rl` console script, `doctor`, tiny models of each family, and the demo loop."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CLI = [os.path.join(os.path.dirname(sys.executable), "arctic-rl")]
+
+
+def run_cli(*args):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, check=True)
+
+
+def test_console_script_plugins_json():
+    report = json.loads(run_cli("plugins", "--json").stdout)
+    losses = {p["name"] for p in report["plugins"] if p["kind"] == "loss"}
+    post = {p["name"] for p in report["plugins"] if p["kind"] == "post_processor"}
+    assert {"sft", "importance_sampling", "grpo"} <= losses
+    assert {"apply_temperature", "compute_logprobs", "compute_entropy"} <= post
+    assert report["failures"] == []
+
+
+def test_doctor_reports_engines_samplers_and_devices():
+    report = json.loads(run_cli("doctor", "--json").stdout)
+    assert report["packages"]["torch"] == torch.__version__
+    assert report["components"]["engine:deepspeed"] == "usable"
+    assert report["devices"]["cuda"]["available"] == torch.cuda.is_available()
+    assert "deepspeed" in report["engines"] and "transformers" in report["samplers"]
+
+
+@pytest.mark.parametrize("family, model_type", [("qwen3", "qwen3"), ("qwen2", "qwen2"), ("llama", "llama")])
+def test_make_tiny_model_builds_each_family(tmp_path, family, model_type):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = run_cli("make-tiny-model", "--family", family, "--hidden", "32", "--heads", "2", "--kv-heads", "1", str(tmp_path / family))
+    path = out.stdout.strip()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert model.config.model_type == model_type and model.config.hidden_size == 32
+    assert model.config.vocab_size == len(tokenizer)
+    text = "SELECT name FROM users WHERE age > 30;"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text and len(ids) < len(text)  # BPE merged something
+    assert tokenizer.eos_token_id == model.generation_config.eos_token_id
+    logits = model(torch.tensor([ids])).logits
+    assert logits.shape == (1, len(ids), len(tokenizer))
+
+
+def test_make_tiny_model_rejects_bad_shapes(tmp_path):
+    bad = subprocess.run(CLI + ["make-tiny-model", "--hidden", "30", "--heads", "4", str(tmp_path / "m")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "multiple of heads" in bad.stderr
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_backend_trains_other_families(tiny_models, make_backend, family):
+    from tests.helpers import grpo_batch
+
+    backend = make_backend(model_path=tiny_models[family])
+    digest = backend.state_digest()
+    backend.fwd_bwd(grpo_batch(), "grpo")
+    backend.step()
+    assert backend.state_digest() != digest
+    assert backend.sync_weights() == 1
+
+
+def test_demo_loop_raises_reward(tiny_model, make_backend):
+    from transformers import AutoTokenizer
+
+    from arctic_rl_core.demo import run_demo
+
+    backend = make_backend(learning_rate=3e-3)
+    history = run_demo(backend, AutoTokenizer.from_pretrained(tiny_model), steps=12, group_size=8, prompts_per_step=4,
+                       max_tokens=12, seed=0, log=lambda line: None)
+    assert [h["weight_version"] for h in history] == list(range(1, 13))
+    first = sum(h["reward"] for h in history[:3]) / 3
+    last = sum(h["reward"] for h in history[-3:]) / 3
+    assert last > first + 0.1, (first, last)
