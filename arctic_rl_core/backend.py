@@ -73,6 +73,13 @@ class InProcessBackend(TrainingAPI):
         validate_sequences(seqs, max_context=self.engine.max_context, vocab_size=self.engine.vocab_size)
         return seqs
 
+    def _micro_batches(self, seqs: list[Sequence]):
+        zorro = self.config.zorro
+        return build_micro_batches(
+            seqs, token_budget=self.config.engine.micro_batch_tokens, weight_version=self._weight_version,
+            pad_id=self.engine.pad_token_id, forest=zorro.enable, min_shared_tokens=zorro.min_shared_tokens,
+        )
+
     def _post_chain(self, post: list[ProcessorSpec]) -> list[tuple[Any, Any]]:
         chain = []
         for i, spec in enumerate(post):
@@ -109,10 +116,7 @@ class InProcessBackend(TrainingAPI):
         if not temperature > 0:
             raise InvalidRequest("temperature", "must be > 0")
         post = self._post_chain([ProcessorSpec(name="apply_temperature", config={"temperature": temperature})]) if temperature != 1.0 else []
-        micro = build_micro_batches(
-            seqs, token_budget=self.engine.config.micro_batch_tokens, weight_version=self._weight_version,
-            pad_id=self.engine.pad_token_id,
-        )
+        micro = self._micro_batches(seqs)
         logprobs: list[list[float]] = [[] for _ in seqs]
         entropy: list[list[float]] = [[] for _ in seqs]
         for mb, out in self.engine.forward(micro, post, with_entropy):
@@ -131,10 +135,7 @@ class InProcessBackend(TrainingAPI):
         post = self._post_chain(spec.post)
         seqs = self._validated(sequences)
         require_fields(seqs, entry.required_fields(loss_config), f"loss {spec.name!r}")
-        micro = build_micro_batches(
-            seqs, token_budget=self.engine.config.micro_batch_tokens, weight_version=self._weight_version,
-            pad_id=self.engine.pad_token_id,
-        )
+        micro = self._micro_batches(seqs)
         with self._train_lock:
             value, metrics = self.engine.forward_backward(micro, entry, loss_config, post)
         return FwdBwdResult(

@@ -1,11 +1,14 @@
-"""From a list of `Sequence`s to padded micro-batches and per-token loss inputs.
+"""From a list of `Sequence`s to micro-batches and per-token loss inputs.
 
-Each micro-batch is a right-padded [B, L] batch (attention cost per sequence
-only), plus the flat index of the position that predicts every response token:
-the first response token is predicted by the last prompt position.
-Micro-batches hold whole GRPO groups where the token budget allows, so that
-prefix sharing (ZoRRo) can work within one micro-batch; a group bigger than
-the budget is split between sequences, never inside one.
+Two layouts, same contract:
+- padded: a right-padded [B, L] batch (attention cost per sequence only);
+- forest (ZoRRo): one packed row per micro-batch in which every shared prefix
+  appears once, with position ids and a `ForestLayout` for split attention.
+Either way a micro-batch carries the flat index of the position that predicts
+each response token (the first response token is predicted by the last prompt
+position, shared or not). Micro-batches hold whole GRPO groups where the token
+budget allows; a group bigger than the budget is split between sequences,
+never inside one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.losses.inputs import LossInputs
 from arctic_rl_core.types import Sequence
+from arctic_rl_core.zorro.forest import pack_forest, plan_forest_micro_batches
+from arctic_rl_kernels.layout import ForestLayout
 
 _OPTIONAL_TOKEN_FIELDS = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs")
 
@@ -47,7 +52,11 @@ def require_fields(sequences: list[Sequence], fields: tuple[str, ...], why: str,
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | None
+    """[B, L] for a padded micro-batch; None for a forest."""
+    position_ids: torch.Tensor | None
+    """[1, N] depth of each packed token, for a forest."""
+    layout: ForestLayout | None
     logit_rows: torch.Tensor
     """Flat index into [B * L] of the position predicting each response token."""
     targets: torch.Tensor
@@ -100,10 +109,7 @@ def plan_micro_batches(sequences: list[Sequence], groups: list[int], token_budge
     return batches
 
 
-def build_micro_batches(
-    sequences: list[Sequence], *, token_budget: int, weight_version: int, pad_id: int = 0
-) -> list[MicroBatch]:
-    groups = group_indices(sequences)
+def _batch_stats(sequences: list[Sequence], groups: list[int], weight_version: int):
     masks = [
         torch.tensor(s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids), dtype=torch.float32)
         for s in sequences
@@ -118,49 +124,81 @@ def build_micro_batches(
         num_groups=int((group_tokens > 0).sum()),
         weight_version=weight_version,
     )
+    return masks, stats
 
-    out = []
-    for members in plan_micro_batches(sequences, groups, token_budget):
-        width = max(len(sequences[i].prompt_ids) + len(sequences[i].response_ids) for i in members)
-        input_ids = torch.full((len(members), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(members), width), dtype=torch.long)
-        rows, targets, seq_index, lengths = [], [], [], []
-        for b, i in enumerate(members):
-            seq = sequences[i]
-            p, r = len(seq.prompt_ids), len(seq.response_ids)
-            input_ids[b, : p + r] = torch.tensor(seq.prompt_ids + seq.response_ids)
-            attention_mask[b, : p + r] = 1
-            rows.append(torch.arange(p - 1, p + r - 1) + b * width)
-            targets.extend(seq.response_ids)
-            seq_index.extend([i] * r)
-            lengths.append(r)
-        seq_index_t = torch.tensor(seq_index)
-        per_token = {}
-        for name in _OPTIONAL_TOKEN_FIELDS:
-            values = [getattr(sequences[i], name) for i in members]
-            if all(v is not None for v in values):
-                per_token[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
-        versions = [sequences[i].behaviour_version for i in members]
-        if all(v is not None for v in versions):
-            per_token["behaviour_version"] = torch.tensor(
-                [v for i, v in zip(members, versions) for _ in sequences[i].response_ids], dtype=torch.float32
-            )
-        inputs = LossInputs(
-            loss_mask=torch.cat([masks[i] for i in members]),
-            seq_index=seq_index_t,
-            group_index=torch.tensor(groups)[seq_index_t],
-            **stats,
-            **per_token,
+
+def _loss_inputs(sequences: list[Sequence], members: list[int], groups: list[int], masks, stats) -> LossInputs:
+    seq_index = torch.tensor([i for i in members for _ in sequences[i].response_ids])
+    per_token = {}
+    for name in _OPTIONAL_TOKEN_FIELDS:
+        values = [getattr(sequences[i], name) for i in members]
+        if all(v is not None for v in values):
+            per_token[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
+    versions = [sequences[i].behaviour_version for i in members]
+    if all(v is not None for v in versions):
+        per_token["behaviour_version"] = torch.tensor(
+            [v for i, v in zip(members, versions) for _ in sequences[i].response_ids], dtype=torch.float32
         )
+    return LossInputs(
+        loss_mask=torch.cat([masks[i] for i in members]),
+        seq_index=seq_index,
+        group_index=torch.tensor(groups)[seq_index],
+        **stats,
+        **per_token,
+    )
+
+
+def _padded(sequences: list[Sequence], members: list[int], pad_id: int) -> dict:
+    width = max(len(sequences[i].prompt_ids) + len(sequences[i].response_ids) for i in members)
+    input_ids = torch.full((len(members), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(members), width), dtype=torch.long)
+    rows = []
+    for b, i in enumerate(members):
+        seq = sequences[i]
+        p, r = len(seq.prompt_ids), len(seq.response_ids)
+        input_ids[b, : p + r] = torch.tensor(seq.prompt_ids + seq.response_ids)
+        attention_mask[b, : p + r] = 1
+        rows.append(torch.arange(p - 1, p + r - 1) + b * width)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=None, layout=None, logit_rows=torch.cat(rows))
+
+
+def _forest(sequences: list[Sequence], members: list[int], min_shared_tokens: int) -> dict:
+    forest = pack_forest([sequences[i].prompt_ids + sequences[i].response_ids for i in members], min_shared_tokens)
+    rows = []
+    for i, path in zip(members, forest.paths):
+        p, r = len(sequences[i].prompt_ids), len(sequences[i].response_ids)
+        rows.extend(path[p - 1 : p + r - 1])
+    return dict(
+        input_ids=torch.tensor([forest.tokens]),
+        attention_mask=None,
+        position_ids=torch.tensor([forest.position_ids]),
+        layout=forest.layout,
+        logit_rows=torch.tensor(rows, dtype=torch.long),
+    )
+
+
+def build_micro_batches(
+    sequences: list[Sequence], *, token_budget: int, weight_version: int, pad_id: int = 0,
+    forest: bool = False, min_shared_tokens: int = 1,
+) -> list[MicroBatch]:
+    """Micro-batches of `sequences`: padded, or packed as prefix forests when `forest` is set."""
+    groups = group_indices(sequences)
+    masks, stats = _batch_stats(sequences, groups, weight_version)
+    if forest:
+        full = [s.prompt_ids + s.response_ids for s in sequences]
+        plan = plan_forest_micro_batches(full, token_budget, min_shared_tokens)
+    else:
+        plan = plan_micro_batches(sequences, groups, token_budget)
+    out = []
+    for members in plan:
+        tensors = _forest(sequences, members, min_shared_tokens) if forest else _padded(sequences, members, pad_id)
         out.append(
             MicroBatch(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                logit_rows=torch.cat(rows),
-                targets=torch.tensor(targets, dtype=torch.long),
+                **tensors,
+                targets=torch.tensor([t for i in members for t in sequences[i].response_ids], dtype=torch.long),
                 sequence_ids=list(members),
-                response_lengths=lengths,
-                inputs=inputs,
+                response_lengths=[len(sequences[i].response_ids) for i in members],
+                inputs=_loss_inputs(sequences, members, groups, masks, stats),
             )
         )
     return out

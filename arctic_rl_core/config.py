@@ -40,6 +40,15 @@ class EngineConfig(_Config):
     seed: int = 0
 
 
+class ZorroConfig(_Config):
+    """Zero Redundancy Rollouts: compute each shared prefix once in fwd_bwd and log_probs."""
+
+    enable: bool = True
+    min_shared_tokens: int = Field(1, ge=1)
+    """Shorter common prefixes are not shared."""
+    attention_backend: Literal["auto", "cpu_flash", "math"] = "auto"
+
+
 class SamplerConfig(_Config):
     name: str = "transformers"
     dtype: Dtype | None = None
@@ -50,3 +59,4 @@ class BackendConfig(_Config):
     model_path: str
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    zorro: ZorroConfig = Field(default_factory=ZorroConfig)

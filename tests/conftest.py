@@ -23,8 +23,8 @@ def tiny_model(tiny_models):
 def make_backend(tiny_model):
     from arctic_rl_core.backend import InProcessBackend
 
-    def make(model_path=None, **engine):
+    def make(model_path=None, zorro=True, **engine):
         engine.setdefault("learning_rate", 1e-3)
-        return InProcessBackend({"model_path": model_path or tiny_model, "engine": engine})
+        return InProcessBackend({"model_path": model_path or tiny_model, "engine": engine, "zorro": {"enable": zorro}})
 
     return make

@@ -22,6 +22,7 @@ import torch
 from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.config import BackendConfig, EngineConfig
 from arctic_rl_core.engines.base import TrainingEngine
+from arctic_rl_core.engines.response_logits import ResponseLogits
 from arctic_rl_core.engines.distributed import init_distributed
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.losses.inputs import LossInputs
@@ -52,26 +53,6 @@ def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
     }
     return deep_merge(generated, config.ds_config)
-
-
-class ResponseLogits(torch.nn.Module):
-    """The causal LM, returning logits only at the positions that predict response tokens.
-
-    Prompt positions never reach the LM head, which matters at real vocabulary
-    sizes. It is the module DeepSpeed wraps: every forward must go through
-    the DeepSpeed engine, whose forward advances ZeRO-3's accumulation state.
-    """
-
-    def __init__(self, model: torch.nn.Module, causal_lm: torch.nn.Module):
-        super().__init__()
-        self.model = model
-        self._causal_lm = [causal_lm]  # a list: not a second registration of the same parameters
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        lm = self._causal_lm[0]
-        hidden = lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, logit_rows)
-        return lm.get_output_embeddings()(rows)
 
 
 def _digest_update(h: "hashlib._Hash", obj: Any) -> None:
@@ -115,9 +96,13 @@ class DeepSpeedEngine(TrainingEngine):
         ds_config = deepspeed_config(ec)
         # Kept alive while the model loads: from_pretrained then partitions weights as it reads them (ZeRO-3).
         self._hf_ds_config = HfDeepSpeedConfig(ds_config) if ec.zero_stage == 3 else None
-        model = AutoModelForCausalLM.from_pretrained(
-            config.model_path, dtype=getattr(torch, ec.dtype), attn_implementation=ec.attn_implementation
-        )
+        self.zorro = config.zorro
+        attn = ec.attn_implementation
+        if config.zorro.enable:
+            from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
+
+            attn = ZORRO_ATTENTION  # split attention for forests, causal SDPA for padded batches
+        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, ec.dtype), attn_implementation=attn)
         if ec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
@@ -138,7 +123,7 @@ class DeepSpeedEngine(TrainingEngine):
         if "optimizer" not in ds_config:
             optimizer = torch.optim.AdamW(params, lr=ec.learning_rate, betas=ec.betas, eps=ec.eps, weight_decay=ec.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=ResponseLogits(model, self._causal_lm), optimizer=optimizer, model_parameters=params, config=ds_config
+            model=ResponseLogits(model, self._causal_lm, config.zorro.attention_backend), optimizer=optimizer, model_parameters=params, config=ds_config
         )
         self.engine.set_gradient_accumulation_boundary(False)
         self._has_gradients = False
@@ -147,10 +132,15 @@ class DeepSpeedEngine(TrainingEngine):
     # -- forward ---------------------------------------------------------------------------------
 
     def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
+        def to_device(t):
+            return t.to(self.device) if t is not None else None
+
         logits = self.engine(
             input_ids=mb.input_ids.to(self.device),
-            attention_mask=mb.attention_mask.to(self.device),
             logit_rows=mb.logit_rows.to(self.device),
+            attention_mask=to_device(mb.attention_mask),
+            position_ids=to_device(mb.position_ids),
+            zorro_layout=mb.layout,
         )
         outputs = {"logits": logits, "targets": mb.targets.to(self.device)}
         chain = list(post) + [(POST_PROCESSORS.get("compute_logprobs", "post"), None)]

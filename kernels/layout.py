@@ -1,0 +1,92 @@
+"""The layout of a packed prefix forest, as attention sees it.
+
+Tokens are packed in depth-first order: every segment (a run of tokens on one
+tree edge) is followed by its whole subtree. Then a single rule gives the
+mask: key k is visible to query q iff
+
+    k <= q  and  q < subtree_end[k]
+
+i.e. k precedes q and q lies in the subtree of k's segment: k is an ancestor
+token or an earlier token of q's own segment. Plain packing (no sharing) is
+the special case where every sequence is one segment with no children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForestLayout:
+    starts: tuple[int, ...]
+    """First packed index of each segment, in depth-first order."""
+    ends: tuple[int, ...]
+    """One past the last packed index of each segment's own tokens."""
+    subtree_ends: tuple[int, ...]
+    """One past the last packed index of each segment's subtree (== end for a leaf)."""
+    num_tokens: int
+    _buckets: list = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        n = len(self.starts)
+        if not (len(self.ends) == len(self.subtree_ends) == n):
+            raise ValueError("starts, ends and subtree_ends must have one entry per segment")
+        covered = 0
+        open_subtrees: list[int] = []  # subtree ends of the segments enclosing the current one
+        for s, e, t in zip(self.starts, self.ends, self.subtree_ends):
+            while open_subtrees and open_subtrees[-1] <= s:
+                open_subtrees.pop()
+            nested = not open_subtrees or t <= open_subtrees[-1]
+            if not (s == covered and s < e <= t <= self.num_tokens and nested):
+                raise ValueError(f"segment [{s}, {e}) / subtree end {t} breaks depth-first packing")
+            open_subtrees.append(t)
+            covered = e
+        if covered != self.num_tokens:
+            raise ValueError(f"segments cover {covered} of {self.num_tokens} tokens")
+
+    @staticmethod
+    def unshared(lengths: list[int]) -> "ForestLayout":
+        """Plain packing: every sequence its own segment."""
+        starts, pos = [], 0
+        for n in lengths:
+            starts.append(pos)
+            pos += n
+        ends = tuple(s + n for s, n in zip(starts, lengths))
+        return ForestLayout(tuple(starts), ends, ends, pos)
+
+    def token_subtree_ends(self) -> torch.Tensor:
+        out = torch.empty(self.num_tokens, dtype=torch.long)
+        for s, e, t in zip(self.starts, self.ends, self.subtree_ends):
+            out[s:e] = t
+        return out
+
+    def dense_mask(self) -> torch.Tensor:
+        """[N, N] boolean visibility (for the reference implementation and tests only)."""
+        idx = torch.arange(self.num_tokens)
+        q, k = idx[:, None], idx[None, :]
+        return (k <= q) & (q < self.token_subtree_ends()[None, :])
+
+    def cross_parts(self) -> list[tuple[int, int, int, int]]:
+        """(key_start, key_end, query_start, query_end): a segment's tokens seen, unmasked, by its whole subtree."""
+        return [(s, e, e, t) for s, e, t in zip(self.starts, self.ends, self.subtree_ends) if t > e]
+
+    def self_buckets(self, max_waste: float = 0.25) -> list[tuple[list[int], int]]:
+        """Segments grouped by length for batched causal self-attention: (segment ids, padded length)."""
+        if self._buckets is not None:
+            return self._buckets
+        order = sorted(range(len(self.starts)), key=lambda i: self.ends[i] - self.starts[i])
+        buckets: list[tuple[list[int], int]] = []
+        for i in order:
+            n = self.ends[i] - self.starts[i]
+            if buckets:
+                members, _ = buckets[-1]
+                shortest = self.ends[members[0]] - self.starts[members[0]]
+                if n <= shortest * (1 + max_waste) + 8:
+                    members.append(i)
+                    buckets[-1] = (members, n)
+                    continue
+            buckets.append(([i], n))
+        object.__setattr__(self, "_buckets", buckets)
+        return buckets
