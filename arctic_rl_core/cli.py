@@ -55,6 +55,12 @@ def _cmd_demo(args) -> int:
     return main(args)
 
 
+def _cmd_bench_zorro(args) -> int:
+    from arctic_rl_core.bench.zorro import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arctic-rl", description="Arctic RL: a unified backend for RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks (results belong in docs/benchmarks.md)")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    p = bench_sub.add_parser("zorro", help="fwd_bwd and log_probs with ZoRRo off vs on")
+    from arctic_rl_core.bench.zorro import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_bench_zorro)
     return parser
 
 

@@ -247,3 +247,18 @@ def test_sft_loss_through_fwd_bwd_lowers_nll(make_backend):
         backend.fwd_bwd(data, "sft")
         backend.step()
     assert backend.fwd_bwd(data, "sft").loss < first
+
+
+def test_zorro_on_and_off_give_the_same_training_step(make_backend):
+    """Through the DeepSpeed engine: same loss, log-probs, gradient norm and update with and without sharing."""
+    batch = grpo_batch(groups=3, group_size=4, prompt_len=20)
+    on = make_backend(zorro=True, ds_config=SGD)
+    off = make_backend(zorro=False, ds_config=SGD)
+    start = weights(on)
+    lp_on, lp_off = on.log_probs(batch).logprobs, off.log_probs(batch).logprobs
+    assert max(abs(a - b) for x, y in zip(lp_on, lp_off) for a, b in zip(x, y)) < 1e-5
+    r_on, r_off = on.fwd_bwd(batch, "grpo"), off.fwd_bwd(batch, "grpo")
+    assert r_on.loss == pytest.approx(r_off.loss, rel=1e-5, abs=1e-8)
+    assert on.step().grad_norm == pytest.approx(off.step().grad_norm, rel=1e-5)
+    u_on, u_off = update(on, start), update(off, start)
+    assert (u_on - u_off).norm() <= 1e-5 * u_off.norm()

@@ -1,0 +1,1 @@
+"""Benchmarks behind `arctic-rl bench ...`; results go to docs/benchmarks.md."""

@@ -1,0 +1,22 @@
+"""`arctic-rl bench zorro` runs end to end on a small shape and reports what it promises (not a timing test)."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_zorro_reports_parity_and_fields():
+    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
+    out = subprocess.run(
+        [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "48", "--response-len", "8",
+         "--group", "4", "--groups", "2", "--repeats", "1", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    common = ("naive_s", "zorro_s", "speedup", "theory", "logprob_max_abs_err", "peak_mem_naive_mb", "peak_mem_zorro_mb")
+    assert set(common) | {"grad_rel_err"} <= set(result)
+    assert set(common) <= set(result["log_probs"])
+    assert result["tokens_naive"] == 2 * 4 * 56 and result["tokens_zorro"] == 2 * (48 + 4 * 8)
+    assert result["logprob_max_abs_err"] < 1e-4 and result["grad_rel_err"] < 1e-4
+    assert 1.0 < result["theory"] < 56 * 4 / (48 + 4 * 8) + 1e-9  # bounded by the token ratio
