@@ -8,6 +8,7 @@ of `arctic_rl_core.types`; a call that raises `InvalidRequest` changed nothing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import cached_property
 
 from arctic_rl_core.types import (
     CheckpointInfo,
@@ -22,6 +23,13 @@ from arctic_rl_core.types import (
 
 
 class TrainingAPI(ABC):
+    @cached_property
+    def futures(self):
+        """The same calls returning futures: `api.futures.fwd_bwd(...)` (see `arctic_rl_core.futures`)."""
+        from arctic_rl_core.futures import ApiFutures
+
+        return ApiFutures(self)
+
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[Completion]:
         """Sample `sampling.n` completions per prompt from the last synced weights."""
@@ -49,6 +57,10 @@ class TrainingAPI(ABC):
     @abstractmethod
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         """Restore what `save_checkpoint` saved; the sampler is synced to the restored weights."""
+
+    @abstractmethod
+    def state_digest(self) -> str:
+        """A hash of all weights and optimizer state: equal digests, equal training state."""
 
     @property
     @abstractmethod

@@ -7,14 +7,14 @@ request leaves weights, optimizer state and accumulated gradients as they were.
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from typing import Any
-
-import pydantic
 
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.batching import build_micro_batches, require_fields, validate_sequences
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.validation import parse
 from arctic_rl_core.losses.registry import LOSSES, POST_PROCESSORS
 from arctic_rl_core.types import (
     CheckpointInfo,
@@ -28,18 +28,6 @@ from arctic_rl_core.types import (
     StepResult,
 )
 from arctic_rl_plugins.manager import get_plugin_manager
-
-
-def parse(model: type[pydantic.BaseModel], value: Any, field: str) -> Any:
-    """Validate `value` as `model`, turning pydantic's error into one that names the field."""
-    if isinstance(value, model):
-        return value
-    try:
-        return model.model_validate(value)
-    except pydantic.ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequest(f"{field}.{loc}" if loc else field, first["msg"]) from None
 
 
 def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
@@ -61,6 +49,10 @@ class InProcessBackend(TrainingAPI):
         """Optimizer step count of the weights the sampler holds."""
         # Training calls are applied one at a time, in order.
         self._train_lock = threading.Lock()
+        # Held by whatever writes the trainer's weights (step, load) and by log_probs, which reads them.
+        self._weights_lock = threading.Lock()
+        # generate and sync_weights share the sampler's copy of the weights.
+        self._sampler_lock = threading.Lock()
 
     @property
     def weight_version(self) -> int:
@@ -109,7 +101,8 @@ class InProcessBackend(TrainingAPI):
         bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
-        return self.sampler.generate(prompts, params, self._weight_version)
+        with self._sampler_lock:
+            return self.sampler.generate(prompts, params, self._weight_version)
 
     def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0) -> LogProbsResult:
         seqs = self._validated(sequences)
@@ -119,7 +112,10 @@ class InProcessBackend(TrainingAPI):
         micro = self._micro_batches(seqs)
         logprobs: list[list[float]] = [[] for _ in seqs]
         entropy: list[list[float]] = [[] for _ in seqs]
-        for mb, out in self.engine.forward(micro, post, with_entropy):
+        # Lock order everywhere: train, weights, sampler.
+        with (nullcontext() if self.engine.concurrent_forward else self._train_lock), self._weights_lock:
+            outputs = self.engine.forward(micro, post, with_entropy)
+        for mb, out in outputs:
             offset = 0
             for seq_id, length in zip(mb.sequence_ids, mb.response_lengths):
                 logprobs[seq_id] = out["logprobs"][offset : offset + length].tolist()
@@ -152,11 +148,12 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock:
             if not self.engine.has_gradients:
                 raise InvalidRequest("step", "no gradients accumulated since the last step; call fwd_bwd first")
-            grad_norm, lr = self.engine.optimizer_step(learning_rate)
+            with self._weights_lock:
+                grad_norm, lr = self.engine.optimizer_step(learning_rate)
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
 
     def sync_weights(self) -> int:
-        with self._train_lock:
+        with self._train_lock, self._sampler_lock:
             self.sampler.load_weights(self.engine.named_full_weights())
             self._weight_version += 1
             self._synced_step = self.engine.steps
@@ -174,7 +171,7 @@ class InProcessBackend(TrainingAPI):
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         if not isinstance(path, str) or not path:
             raise InvalidRequest("path", "must be a directory path")
-        with self._train_lock:
+        with self._train_lock, self._weights_lock, self._sampler_lock:
             state = self.engine.load(path)
             self.sampler.load_weights(self.engine.named_full_weights())
             # Weights stepped after the checkpoint's last sync were never published: they get a new version.
@@ -185,6 +182,7 @@ class InProcessBackend(TrainingAPI):
 
     def state_digest(self) -> str:
         """Hash of all weights and optimizer state (for tests and for checking that a request changed nothing)."""
-        return self.engine.state_digest()
+        with self._train_lock, self._weights_lock:
+            return self.engine.state_digest()
 
 

@@ -61,6 +61,12 @@ def _cmd_bench_zorro(args) -> int:
     return main(args)
 
 
+def _cmd_serve(args) -> int:
+    from arctic_rl_core.server.run import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arctic-rl", description="Arctic RL: a unified backend for RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="serve the training API over HTTP")
+    p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs a token")
+    p.add_argument("--port", type=int, default=7000)
+    p.add_argument("--config", help="YAML backend config: the job to load at start (else POST /v1/initialize)")
+    p.add_argument("--token", help="bearer token required on every request (or $ARCTIC_RL_TOKEN)")
+    p.add_argument("--max-request-mb", type=int, default=1024, help="request body cap")
+    p.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (results belong in docs/benchmarks.md)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)

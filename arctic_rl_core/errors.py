@@ -24,8 +24,21 @@ class InvalidRequest(ArcticRLError, ValueError):
 class UnknownName(InvalidRequest):
     """A loss, post-processor, engine or sampler name that no plugin provides."""
 
-    def __init__(self, field: str, kind: str, name: str, known: list[str]):
-        super().__init__(field, f"unknown {kind} {name!r}; known: {', '.join(sorted(known)) or 'none'}")
+    @classmethod
+    def of(cls, field: str, kind: str, name: str, known: list[str]) -> "UnknownName":
+        return cls(field, f"unknown {kind} {name!r}; known: {', '.join(sorted(known)) or 'none'}")
+
+
+class BackendUnavailable(ArcticRLError):
+    """The server could not be reached, or the connection broke, after the allowed retries."""
+
+
+def field_path(prefix: str, loc: tuple) -> str:
+    """('sequences', 0, 'advantages') -> 'sequences[0].advantages', under `prefix`."""
+    path = prefix
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "body"
 
 
 class PluginError(ArcticRLError):

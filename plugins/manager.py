@@ -107,12 +107,12 @@ class PluginManager:
 
     def engine_factory(self, name: str, field: str = "engine.name") -> Callable[..., Any]:
         if name not in self.engines:
-            raise UnknownName(field, "training engine", name, list(self.engines))
+            raise UnknownName.of(field, "training engine", name, list(self.engines))
         return self.engines[name]
 
     def sampler_factory(self, name: str, field: str = "sampler.name") -> Callable[..., Any]:
         if name not in self.samplers:
-            raise UnknownName(field, "sampler", name, list(self.samplers))
+            raise UnknownName.of(field, "sampler", name, list(self.samplers))
         return self.samplers[name]
 
     def report(self) -> dict[str, Any]:

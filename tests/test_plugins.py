@@ -127,6 +127,7 @@ def test_cli_lists_plugins_and_failures_as_json(installed_plugins):
 
 
 def test_registering_a_taken_name_with_another_function_fails():
+    get_plugin_manager()  # built-ins registered
     registry = Registry("loss")
     registry.add(Registered("x", print, source="a"))
     registry.add(Registered("x", print, source="a"))  # the same function again is fine

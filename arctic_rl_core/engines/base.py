@@ -20,6 +20,9 @@ class TrainingEngine(ABC):
     max_context: int
     vocab_size: int
     pad_token_id: int
+    concurrent_forward: bool
+    """Whether a no-grad `forward` may run while `forward_backward` runs (not under ZeRO-3,
+    whose parameter gathering is not thread-safe)."""
 
     @abstractmethod
     def forward_backward(

@@ -85,6 +85,7 @@ class DeepSpeedEngine(TrainingEngine):
             raise InvalidRequest("model_path", f"{config.model_path!r} is not a directory")
         self.config = ec
         self.stage = ec.zero_stage
+        self.concurrent_forward = ec.zero_stage < 3
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         hf_config = AutoConfig.from_pretrained(config.model_path)
         self.max_context = hf_config.max_position_embeddings
@@ -103,6 +104,12 @@ class DeepSpeedEngine(TrainingEngine):
 
             attn = ZORRO_ATTENTION  # split attention for forests, causal SDPA for padded batches
         model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, ec.dtype), attn_implementation=attn)
+        # RL needs the trainer's log-probs to match the sampler's: no dropout. The module then stays
+        # in train mode for good, so concurrent log_probs and fwd_bwd never flip each other's mode.
+        model.config.attention_dropout = 0.0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
         if ec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
@@ -126,6 +133,7 @@ class DeepSpeedEngine(TrainingEngine):
             model=ResponseLogits(model, self._causal_lm, config.zorro.attention_backend), optimizer=optimizer, model_parameters=params, config=ds_config
         )
         self.engine.set_gradient_accumulation_boundary(False)
+        self.engine.train()
         self._has_gradients = False
         self._steps = 0
 
@@ -155,7 +163,6 @@ class DeepSpeedEngine(TrainingEngine):
         return LossInputs(**moved)
 
     def forward_backward(self, micro_batches, loss, loss_config, post):
-        self.engine.train()
         with_entropy = bool(getattr(loss_config, "needs_entropy", lambda: False)())
         total = 0.0
         metrics: dict[str, float] = defaultdict(float)
@@ -179,7 +186,6 @@ class DeepSpeedEngine(TrainingEngine):
 
     @torch.no_grad()
     def forward(self, micro_batches, post, with_entropy):
-        self.engine.eval()
         results = []
         for mb in micro_batches:
             mb.inputs = self._inputs_on_device(mb.inputs)

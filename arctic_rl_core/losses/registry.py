@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pydantic
 
 from arctic_rl_core.errors import InvalidRequest, UnknownName
+from arctic_rl_core.validation import parse
 
 
 @dataclass(frozen=True)
@@ -34,12 +35,7 @@ class Registered:
             if config:
                 raise InvalidRequest(f"{where}.{next(iter(config))}", f"{self.name!r} takes no config")
             return None
-        try:
-            return self.config_model.model_validate(config)
-        except pydantic.ValidationError as err:
-            first = err.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"])
-            raise InvalidRequest(f"{where}.{loc}" if loc else where, first["msg"]) from None
+        return parse(self.config_model, config, where)
 
     def required_fields(self, config: Any) -> tuple[str, ...]:
         """Fields needed under this config; a config may add to them (e.g. a KL term needs ref_logprobs)."""
@@ -66,7 +62,7 @@ class Registry:
         try:
             return self.entries[name]
         except KeyError:
-            raise UnknownName(where, self.kind, name, list(self.entries)) from None
+            raise UnknownName.of(where, self.kind, name, list(self.entries)) from None
 
     def names(self) -> list[str]:
         return sorted(self.entries)

@@ -1,0 +1,1 @@
+"""The training API as an HTTP service (`arctic-rl serve`)."""

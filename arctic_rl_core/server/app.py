@@ -1,0 +1,223 @@
+"""The FastAPI application: the training API's routes over one job.
+
+Ordered routes (training state) run one at a time, in arrival order, on a
+single worker thread; reads (generate, log_probs) run on their own threads so
+they proceed while training runs. Bodies are JSON or the safetensors wire
+format (`arctic_rl_core.wire`); responses use the request's format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from arctic_rl_core import wire
+from arctic_rl_core.api import TrainingAPI
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.protocol import API_PREFIX, REQUEST_ID_HEADER, ROUTES, Route
+from arctic_rl_core.server.idempotency import RequestIdConflict, RequestLog
+from arctic_rl_core.server.security import GuardMiddleware
+from arctic_rl_core.validation import parse
+
+log = logging.getLogger("arctic_rl.server")
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 7000
+    token: str | None = None
+    max_request_bytes: int = 1 << 30
+    read_workers: int = 4
+
+
+@dataclass
+class JobState:
+    backend_factory: Callable[[BackendConfig], TrainingAPI]
+    api: TrainingAPI | None = None
+    config: BackendConfig | None = None
+    ordered: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="arctic-train"))
+    reads: ThreadPoolExecutor | None = None
+    requests: RequestLog = field(default_factory=RequestLog)
+    shutdown: Callable[[], None] | None = None
+
+
+class NoJob(ArcticRLError):
+    pass
+
+
+class RequestTooLarge(InvalidRequest):
+    pass
+
+
+def _error(status: int, exc: Exception) -> JSONResponse:
+    field_ = getattr(exc, "field", None)
+    message = getattr(exc, "message", None) or str(exc)
+    return JSONResponse({"error": {"type": type(exc).__name__, "field": field_, "message": message}}, status_code=status)
+
+
+async def _read_body(request: Request, cap: int) -> memoryview:
+    """The body in one buffer, read as it streams in, never over `cap`."""
+    declared = request.headers.get("content-length")
+    buf = bytearray(int(declared)) if declared is not None else bytearray()
+    size = 0
+    async for chunk in request.stream():
+        if size + len(chunk) > cap:
+            raise RequestTooLarge("body", f"more than the server's cap of {cap} bytes")
+        if declared is not None:
+            buf[size : size + len(chunk)] = chunk
+        else:
+            buf.extend(chunk)
+        size += len(chunk)
+    if declared is not None and size != int(declared):
+        raise wire.WireError(f"body ended after {size} of {declared} declared bytes")
+    return memoryview(buf)[:size]
+
+
+def _decode(body: memoryview, content_type: str) -> Any:
+    if content_type.startswith(wire.MEDIA_TYPE):
+        return wire.decode(body)
+    if content_type.startswith("application/json") or not content_type:
+        if not len(body):
+            return {}
+        try:
+            return json.loads(bytes(body))
+        except (ValueError, RecursionError) as err:
+            raise InvalidRequest("body", f"malformed JSON: {err}") from None
+    raise InvalidRequest("content-type", f"{content_type!r} is neither application/json nor {wire.MEDIA_TYPE}")
+
+
+def _encode(model, wire_format: bool) -> Response:
+    data = model.model_dump(mode="json")
+    if wire_format:
+        return Response(wire.encode(data), media_type=wire.MEDIA_TYPE)
+    return JSONResponse(data)
+
+
+def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfig], TrainingAPI]) -> FastAPI:
+    app = FastAPI(title="Arctic RL", version="1", summary="The training API of Arctic RL over HTTP.")
+    job = JobState(backend_factory=backend_factory,
+                   reads=ThreadPoolExecutor(settings.read_workers, thread_name_prefix="arctic-read"))
+    app.state.job = job
+    app.add_middleware(GuardMiddleware, token=settings.token, max_request_bytes=settings.max_request_bytes)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid(request, exc: InvalidRequest):
+        if isinstance(exc, RequestTooLarge):
+            return _error(413, exc)
+        return _error(409 if isinstance(exc, RequestIdConflict) else 400, exc)
+
+    @app.exception_handler(NoJob)
+    async def no_job(request, exc):
+        return _error(409, exc)
+
+    @app.exception_handler(Exception)
+    async def failure(request, exc: Exception):
+        log.exception("request failed")
+        return _error(500, exc)
+
+    async def run_in(executor, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    @app.get(f"{API_PREFIX}/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get(f"{API_PREFIX}/status")
+    async def status():
+        api = job.api
+        return {
+            "initialized": api is not None,
+            "config": job.config.model_dump() if job.config else None,
+            "weight_version": api.weight_version if api else None,
+        }
+
+    @app.post(f"{API_PREFIX}/initialize")
+    async def initialize(request: Request):
+        config = parse(BackendConfig, _decode(await _read_body(request, settings.max_request_bytes),
+                                              request.headers.get("content-type", "")), "")
+        if job.api is not None:
+            if config != job.config:
+                raise InvalidRequest("body", "a job with a different configuration is already running on this server")
+            return {"initialized": True, "config": job.config.model_dump()}
+
+        def load():
+            if job.api is None:  # the ordered worker runs one load at a time
+                job.api, job.config = job.backend_factory(config), config
+
+        await run_in(job.ordered, load)
+        return {"initialized": True, "config": job.config.model_dump()}
+
+    @app.post(f"{API_PREFIX}/shutdown")
+    async def shutdown():
+        if job.shutdown is not None:
+            asyncio.get_running_loop().call_soon(job.shutdown)
+        return {"status": "shutting down"}
+
+    @app.post(f"{API_PREFIX}/echo")
+    async def echo(request: Request):
+        """Decode a message and report its size: measures the wire path alone (`arctic-rl bench server`)."""
+        body = await _read_body(request, settings.max_request_bytes)
+        if request.headers.get("content-type", "").startswith(wire.MEDIA_TYPE):
+            message = wire.decode(body, arrays=True)
+        else:
+            message = _decode(body, request.headers.get("content-type", ""))
+        return {"bytes": len(body), "keys": sorted(message) if isinstance(message, dict) else []}
+
+    def add_route(route: Route):
+        async def handler(request: Request):
+            content_type = request.headers.get("content-type", "")
+            body = await _read_body(request, settings.max_request_bytes)
+            if job.api is None:
+                raise NoJob(f"no job is initialized: POST {API_PREFIX}/initialize first")
+            query = parse(route.request, _decode(body, content_type), "")
+            if route.ordered:
+                request_id = request.headers.get(REQUEST_ID_HEADER)
+
+                async def apply():
+                    return await run_in(job.ordered, route.call, job.api, query)
+
+                if request_id:
+                    fingerprint = hashlib.sha256(route.name.encode() + bytes(body)).hexdigest()
+                    result = await job.requests.once(request_id, fingerprint, apply)
+                else:
+                    result = await apply()
+            else:
+                result = await run_in(job.reads, route.call, job.api, query)
+            return _encode(result, wire_format=content_type.startswith(wire.MEDIA_TYPE))
+
+        schema = route.request.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema.pop("$defs", None)  # added to components by openapi() below
+        response_schema = route.response.model_json_schema(ref_template="#/components/schemas/{model}")
+        response_schema.pop("$defs", None)
+        app.add_api_route(
+            f"{API_PREFIX}/{route.name}", handler, methods=["POST"], name=route.name,
+            openapi_extra={"requestBody": {"required": True, "content": {
+                "application/json": {"schema": schema}, wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
+            responses={200: {"content": {"application/json": {"schema": response_schema}}}},
+        )
+
+    for route in ROUTES.values():
+        add_route(route)
+
+    base_openapi = app.openapi
+
+    def openapi():
+        spec = base_openapi()
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        for route in ROUTES.values():
+            for model in (route.request, route.response):
+                schemas.update(model.model_json_schema(ref_template="#/components/schemas/{model}").pop("$defs", {}))
+        return spec
+
+    app.openapi = openapi
+    return app

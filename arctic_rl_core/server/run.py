@@ -1,0 +1,73 @@
+"""Running the server: `arctic-rl serve`, and an in-thread server for tests and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import uvicorn
+
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.server.app import ServerSettings, create_app
+from arctic_rl_core.server.security import TOKEN_ENV, check_bind
+
+
+def _backend_factory(config: BackendConfig):
+    from arctic_rl_core.backend import InProcessBackend
+
+    return InProcessBackend(config)
+
+
+def build_server(settings: ServerSettings, config: BackendConfig | None = None, backend_factory=_backend_factory) -> uvicorn.Server:
+    check_bind(settings.host, settings.token)
+    app = create_app(settings, backend_factory)
+    if config is not None:
+        app.state.job.api, app.state.job.config = backend_factory(config), config
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                           http="httptools", lifespan="off"))
+    app.state.job.shutdown = lambda: setattr(server, "should_exit", True)
+    return server
+
+
+class ServerThread:
+    """A server on a background thread (tests, benchmarks): `with ServerThread(settings) as url: ...`."""
+
+    def __init__(self, settings: ServerSettings, config: BackendConfig | None = None, backend_factory=_backend_factory):
+        self.server = build_server(settings, config, backend_factory)
+        self.settings = settings
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def app(self):
+        return self.server.config.app
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def main(args) -> int:
+    import yaml
+
+    from arctic_rl_core.validation import parse
+
+    token = args.token or os.environ.get(TOKEN_ENV)
+    config = None
+    if args.config:
+        with open(args.config) as f:
+            config = parse(BackendConfig, yaml.safe_load(f), args.config)
+    settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20)
+    server = build_server(settings, config)
+    print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'})", flush=True)
+    server.run()
+    return 0

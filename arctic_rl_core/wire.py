@@ -1,0 +1,171 @@
+"""The wire format: one safetensors file per message, never pickle.
+
+A message is JSON-shaped data in which every flat numeric array (of at least
+8 numbers; numpy arrays always) travels as a tensor: Python floats as float32,
+the precision the engines compute in, integers as int32 when they fit. The safetensors header's `__metadata__` holds the JSON structure
+(`"arctic_rl"`) and the format version; inside it, an array is the reference
+`{"$t": name, "o": offset, "n": length}` to elements of the 1-D tensor
+`name`. All arrays at the same field path (say every sequence's `prompt_ids`)
+share one tensor, so the header stays small for large batches.
+
+Decoding parses the safetensors header itself (the library reads metadata only
+from files) and maps tensors zero-copy onto the received buffer, checking every
+size, offset, dtype and reference first. Any malformed input raises
+`WireError`; nothing else escapes, and no code path can unpickle.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save
+
+from arctic_rl_core.errors import InvalidRequest
+
+MEDIA_TYPE = "application/x-arctic-rl-safetensors"
+VERSION = "1"
+_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
+_MAX_HEADER_BYTES = 64 * 2**20
+_MAX_DEPTH = 64
+_MIN_TENSOR_ELEMENTS = 8  # shorter lists (config values, tiny responses) stay exact JSON numbers
+
+
+class WireError(InvalidRequest):
+    """The body is not a valid Arctic RL message."""
+
+    def __init__(self, message: str, field: str = "body"):
+        super().__init__(field, message)
+
+
+def _group_key(path: tuple) -> str:
+    return ".".join("*" if isinstance(p, int) else str(p) for p in path) or "root"
+
+
+def encode(message: Any) -> bytes:
+    """JSON-shaped data (dicts, lists, numbers, strings, None, numpy arrays) -> safetensors bytes."""
+    groups: dict[str, list[np.ndarray]] = {}
+    sizes: dict[str, int] = {}
+
+    def as_array(value) -> np.ndarray | None:
+        if isinstance(value, np.ndarray):
+            if value.dtype.kind not in "iuf":
+                return None
+            # numpy arrays keep their precision (f16 widens to f32, unsigned to i64)
+            if value.dtype.kind == "f":
+                return value.reshape(-1).astype(np.float64 if value.dtype.itemsize == 8 else np.float32, copy=False)
+            return value.reshape(-1).astype(np.int64, copy=False)
+        if len(value) < _MIN_TENSOR_ELEMENTS or isinstance(value[0], bool) or not isinstance(value[0], (int, float)):
+            return None
+        arr = np.asarray(value)
+        if arr.ndim != 1 or arr.dtype.kind not in "iuf":
+            return None
+        # Python floats travel as float32: the engines compute in at most fp32, as in process.
+        return arr.astype(np.float32) if arr.dtype.kind == "f" else arr
+
+    def walk(value, path):
+        if isinstance(value, dict):
+            return {k: walk(v, path + (k,)) for k, v in value.items()}
+        if isinstance(value, (list, tuple, np.ndarray)):
+            arr = as_array(value)
+            if arr is None:
+                return [walk(v, path + (i,)) for i, v in enumerate(value)]
+            key = _group_key(path)
+            offset = sizes.get(key, 0)
+            groups.setdefault(key, []).append(arr)
+            sizes[key] = offset + arr.size
+            return {"$t": key, "o": offset, "n": int(arr.size)}
+        if isinstance(value, np.generic):
+            return value.item()
+        return value
+
+    structure = walk(message, ())
+    tensors = {}
+    for key, arrays in groups.items():
+        flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+        if flat.dtype.kind in "iu":
+            small = flat.size == 0 or (flat.min() >= -(2**31) and flat.max() < 2**31)
+            flat = flat.astype(np.int32 if small else np.int64, copy=False)
+        tensors[key] = np.ascontiguousarray(flat)
+    return save(tensors, metadata={"arctic_rl": json.dumps(structure), "version": VERSION})
+
+
+def _header(body: memoryview) -> tuple[dict, int]:
+    if len(body) < 8:
+        raise WireError("shorter than a safetensors header")
+    (size,) = struct.unpack("<Q", body[:8])
+    if size > min(len(body) - 8, _MAX_HEADER_BYTES):
+        raise WireError(f"safetensors header claims {size} bytes; the body has {len(body) - 8}")
+    try:
+        header = json.loads(bytes(body[8 : 8 + size]))
+    except (ValueError, RecursionError) as err:
+        raise WireError(f"safetensors header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise WireError("safetensors header must be a JSON object")
+    return header, 8 + size
+
+
+def _tensors(header: dict, body: memoryview, data_start: int) -> dict[str, np.ndarray]:
+    data_len = len(body) - data_start
+    out = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(spec, dict):
+            raise WireError(f"tensor {name!r}: entry must be an object")
+        dtype = _DTYPES.get(spec.get("dtype"))
+        shape, offsets = spec.get("shape"), spec.get("data_offsets")
+        if dtype is None:
+            raise WireError(f"tensor {name!r}: dtype {spec.get('dtype')!r} is not one of {', '.join(_DTYPES)}")
+        if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 0):
+            raise WireError(f"tensor {name!r}: shape must be [n] with n >= 0, got {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise WireError(f"tensor {name!r}: data_offsets must be [begin, end]")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_len or end - begin != shape[0] * dtype.itemsize:
+            raise WireError(f"tensor {name!r}: data_offsets {offsets} do not fit shape {shape} in {data_len} data bytes")
+        out[name] = np.frombuffer(body, dtype=dtype, count=shape[0], offset=data_start + begin)
+    return out
+
+
+def decode(body: bytes | bytearray | memoryview, *, arrays: bool = False) -> Any:
+    """safetensors bytes -> the JSON-shaped message. Arrays become lists, or numpy views if `arrays`."""
+    view = memoryview(body).cast("B")
+    header, data_start = _header(view)
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not isinstance(meta.get("arctic_rl"), str):
+        raise WireError("safetensors metadata lacks the 'arctic_rl' message structure")
+    if meta.get("version") != VERSION:
+        raise WireError(f"wire format version {meta.get('version')!r} is not supported (expected {VERSION})")
+    tensors = _tensors(header, view, data_start)
+    try:
+        structure = json.loads(meta["arctic_rl"])
+    except (ValueError, RecursionError) as err:
+        raise WireError(f"message structure is not JSON: {err}") from None
+
+    def resolve(value, depth):
+        if depth > _MAX_DEPTH:
+            raise WireError(f"message nests deeper than {_MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            if "$t" in value:
+                return reference(value)
+            return {k: resolve(v, depth + 1) for k, v in value.items()}
+        if isinstance(value, list):
+            return [resolve(v, depth + 1) for v in value]
+        return value
+
+    def reference(ref):
+        name, offset, length = ref.get("$t"), ref.get("o"), ref.get("n")
+        if set(ref) != {"$t", "o", "n"} or not isinstance(name, str):
+            raise WireError(f"malformed array reference {str(ref)[:80]}")
+        if name not in tensors:
+            raise WireError(f"array reference to unknown tensor {name!r}")
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= tensors[name].size):
+            raise WireError(f"array reference [{offset}, +{length}) is outside tensor {name!r} ({tensors[name].size})")
+        part = tensors[name][offset : offset + length]
+        return part if arrays else part.tolist()
+
+    return resolve(structure, 0)
