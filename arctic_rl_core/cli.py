@@ -61,6 +61,12 @@ def _cmd_bench_zorro(args) -> int:
     return main(args)
 
 
+def _cmd_bench_server(args) -> int:
+    from arctic_rl_core.bench.server import main
+
+    return main(args)
+
+
 def _cmd_serve(args) -> int:
     from arctic_rl_core.server.run import main
 
@@ -118,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
     p.set_defaults(func=_cmd_bench_zorro)
+    p = bench_sub.add_parser("server", help="HTTP round-trip latency and payload throughput over loopback")
+    from arctic_rl_core.bench import server as bench_server
+
+    bench_server.add_arguments(p)
+    p.set_defaults(func=_cmd_bench_server)
     return parser
 
 

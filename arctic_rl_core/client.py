@@ -77,9 +77,12 @@ class _ClientCore:
         self.retries = retries
         self.backoff_s = backoff_s
 
-    def prepare(self, name: str, request) -> tuple[str, bytes, dict]:
-        headers = {**self.headers, "Content-Type": wire.MEDIA_TYPE, REQUEST_ID_HEADER: uuid.uuid4().hex}
-        return f"{API_PREFIX}/{name}", wire.encode(request.model_dump(mode="json")), headers
+    def prepare(self, name: str, request) -> tuple[str, wire.Encoded, dict]:
+        """Path, body (streamed: header, then tensor memory) and headers; retries resend the same id."""
+        body = wire.encode_parts(request.model_dump(mode="json"))
+        headers = {**self.headers, "Content-Type": wire.MEDIA_TYPE, "Content-Length": str(len(body)),
+                   REQUEST_ID_HEADER: uuid.uuid4().hex}
+        return f"{API_PREFIX}/{name}", body, headers
 
     def finish(self, name: str, response: httpx.Response):
         if response.status_code != 200:
@@ -178,7 +181,8 @@ class AsyncArcticRLClient:
         path, body, headers = self._core.prepare(name, request)
         for attempt in range(self._core.retries + 1):
             try:
-                response = await self._http.post(path, content=body, headers=headers)
+                # httpx.AsyncClient needs an async iterator (it would take `body` as a sync iterable)
+                response = await self._http.post(path, content=aiter(body), headers=headers)
                 return self._core.finish(name, response)
             except httpx.TransportError as err:
                 if attempt == self._core.retries:

@@ -8,28 +8,33 @@ the precision the engines compute in, integers as int32 when they fit. The safet
 `name`. All arrays at the same field path (say every sequence's `prompt_ids`)
 share one tensor, so the header stays small for large batches.
 
-Decoding parses the safetensors header itself (the library reads metadata only
-from files) and maps tensors zero-copy onto the received buffer, checking every
-size, offset, dtype and reference first. Any malformed input raises
-`WireError`; nothing else escapes, and no code path can unpickle.
+Encoding lays out the safetensors file itself so that a large body is sent as
+its header plus views of the tensors' memory, never assembled into one more
+copy; decoding parses the header itself (the library reads metadata only from
+files) and maps tensors zero-copy onto the received buffer, checking every
+size, offset, dtype and reference first. The tests check both directions
+against the safetensors library. Any malformed input raises `WireError`;
+nothing else escapes, and no code path can unpickle.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import numpy as np
-from safetensors.numpy import save
 
 from arctic_rl_core.errors import InvalidRequest
 
 MEDIA_TYPE = "application/x-arctic-rl-safetensors"
 VERSION = "1"
 _DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER_BYTES = 64 * 2**20
 _MAX_DEPTH = 64
+_SEND_CHUNK = 1 << 20
 _MIN_TENSOR_ELEMENTS = 8  # shorter lists (config values, tiny responses) stay exact JSON numbers
 
 
@@ -44,8 +49,43 @@ def _group_key(path: tuple) -> str:
     return ".".join("*" if isinstance(p, int) else str(p) for p in path) or "root"
 
 
+@dataclass
+class Encoded:
+    """A message as a safetensors file in parts: the header, then each tensor's memory."""
+
+    header: bytes
+    buffers: list[memoryview]
+
+    def __len__(self) -> int:
+        return len(self.header) + sum(b.nbytes for b in self.buffers)
+
+    def __iter__(self) -> Iterator[bytes | memoryview]:
+        """The body in order, without copying tensor data (iterable again for retries).
+
+        Slices of 1 MiB: HTTP writers copy each piece they are given, and small copies land in
+        memory the allocator reuses, where one copy of a whole large tensor would fault in fresh pages.
+        """
+        yield self.header
+        for buffer in self.buffers:
+            for start in range(0, buffer.nbytes, _SEND_CHUNK):
+                yield buffer[start : start + _SEND_CHUNK]
+
+    async def __aiter__(self):
+        """The same parts for asyncio senders."""
+        for part in self:
+            yield part
+
+    def tobytes(self) -> bytes:
+        return b"".join(self)
+
+
 def encode(message: Any) -> bytes:
     """JSON-shaped data (dicts, lists, numbers, strings, None, numpy arrays) -> safetensors bytes."""
+    return encode_parts(message).tobytes()
+
+
+def encode_parts(message: Any) -> Encoded:
+    """Like `encode`, but leaves tensor data where it is, for streaming a large body."""
     groups: dict[str, list[np.ndarray]] = {}
     sizes: dict[str, int] = {}
 
@@ -57,10 +97,10 @@ def encode(message: Any) -> bytes:
             if value.dtype.kind == "f":
                 return value.reshape(-1).astype(np.float64 if value.dtype.itemsize == 8 else np.float32, copy=False)
             return value.reshape(-1).astype(np.int64, copy=False)
-        if len(value) < _MIN_TENSOR_ELEMENTS or isinstance(value[0], bool) or not isinstance(value[0], (int, float)):
-            return None
+        if len(value) < _MIN_TENSOR_ELEMENTS or not set(map(type, value)) <= {int, float}:
+            return None  # bools, None, strings or nested values: stays JSON
         arr = np.asarray(value)
-        if arr.ndim != 1 or arr.dtype.kind not in "iuf":
+        if arr.dtype.kind not in "if":  # integers beyond int64 come out as uint64 or object
             return None
         # Python floats travel as float32: the engines compute in at most fp32, as in process.
         return arr.astype(np.float32) if arr.dtype.kind == "f" else arr
@@ -89,7 +129,23 @@ def encode(message: Any) -> bytes:
             small = flat.size == 0 or (flat.min() >= -(2**31) and flat.max() < 2**31)
             flat = flat.astype(np.int32 if small else np.int64, copy=False)
         tensors[key] = np.ascontiguousarray(flat)
-    return save(tensors, metadata={"arctic_rl": json.dumps(structure), "version": VERSION})
+    return _layout(tensors, {"arctic_rl": json.dumps(structure), "version": VERSION})
+
+
+def _layout(tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> Encoded:
+    # Widest dtypes first keeps every tensor aligned to its element size for zero-copy reads.
+    order = sorted(tensors, key=lambda k: (-tensors[k].dtype.itemsize, k))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        arr = tensors[name]
+        header[name] = {"dtype": _DTYPE_NAMES[arr.dtype.newbyteorder("<")], "shape": [arr.size],
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    buffers = [memoryview(tensors[name].astype(tensors[name].dtype.newbyteorder("<"), copy=False)).cast("B") for name in order]
+    return Encoded(struct.pack("<Q", len(text)) + text, buffers)
 
 
 def _header(body: memoryview) -> tuple[dict, int]:

@@ -28,3 +28,30 @@ def make_backend(tiny_model):
         return InProcessBackend({"model_path": model_path or tiny_model, "engine": engine, "zorro": {"enable": zorro}})
 
     return make
+
+
+@pytest.fixture(params=["inprocess", "http"])
+def make_api(request, tiny_model):
+    """The training API in process, or through a loopback server wrapping the same backend."""
+    from arctic_rl_core.backend import InProcessBackend
+    from arctic_rl_core.client import ArcticRLClient
+    from arctic_rl_core.config import BackendConfig
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    servers = []
+
+    def make(zorro=True, **engine):
+        engine.setdefault("learning_rate", 1e-3)
+        config = BackendConfig.model_validate({"model_path": tiny_model, "engine": engine, "zorro": {"enable": zorro}})
+        if request.param == "inprocess":
+            return InProcessBackend(config)
+        server = ServerThread(ServerSettings(port=free_loopback_port()), config)
+        url = server.__enter__()
+        servers.append(server)
+        return ArcticRLClient(url, retries=0)
+
+    yield make
+    for server in servers:
+        server.__exit__(None, None, None)

@@ -24,6 +24,7 @@ from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.protocol import API_PREFIX, REQUEST_ID_HEADER, ROUTES, Route
+from arctic_rl_core.server.buffers import BufferPool
 from arctic_rl_core.server.idempotency import RequestIdConflict, RequestLog
 from arctic_rl_core.server.security import GuardMiddleware
 from arctic_rl_core.validation import parse
@@ -48,6 +49,7 @@ class JobState:
     ordered: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="arctic-train"))
     reads: ThreadPoolExecutor | None = None
     requests: RequestLog = field(default_factory=RequestLog)
+    buffers: BufferPool | None = None
     shutdown: Callable[[], None] | None = None
 
 
@@ -65,22 +67,42 @@ def _error(status: int, exc: Exception) -> JSONResponse:
     return JSONResponse({"error": {"type": type(exc).__name__, "field": field_, "message": message}}, status_code=status)
 
 
-async def _read_body(request: Request, cap: int) -> memoryview:
-    """The body in one buffer, read as it streams in, never over `cap`."""
-    declared = request.headers.get("content-length")
-    buf = bytearray(int(declared)) if declared is not None else bytearray()
-    size = 0
-    async for chunk in request.stream():
-        if size + len(chunk) > cap:
-            raise RequestTooLarge("body", f"more than the server's cap of {cap} bytes")
-        if declared is not None:
-            buf[size : size + len(chunk)] = chunk
-        else:
-            buf.extend(chunk)
-        size += len(chunk)
-    if declared is not None and size != int(declared):
-        raise wire.WireError(f"body ended after {size} of {declared} declared bytes")
-    return memoryview(buf)[:size]
+class Body:
+    """A request body read as it streams in, never over the cap, into a (pooled) buffer.
+
+    `async with Body(request, settings, pool) as body:` gives a memoryview valid inside the block.
+    """
+
+    def __init__(self, request: Request, cap: int, pool: BufferPool):
+        self.request, self.cap, self.pool = request, cap, pool
+        self.buffer = None
+
+    async def __aenter__(self) -> memoryview:
+        declared = self.request.headers.get("content-length")
+        if declared is None:  # chunked upload: grow as it comes
+            data = bytearray()
+            async for chunk in self.request.stream():
+                if len(data) + len(chunk) > self.cap:
+                    raise RequestTooLarge("body", f"more than the server's cap of {self.cap} bytes")
+                data.extend(chunk)
+            return memoryview(data)
+        expected = int(declared)  # the guard middleware has checked it against the cap
+        self.buffer = self.pool.acquire(expected)
+        view = memoryview(self.buffer)
+        size = 0
+        async for chunk in self.request.stream():
+            if size + len(chunk) > expected:
+                raise wire.WireError(f"body is longer than its declared {expected} bytes")
+            view[size : size + len(chunk)] = chunk
+            size += len(chunk)
+        if size != expected:
+            raise wire.WireError(f"body ended after {size} of {expected} declared bytes")
+        view.release()
+        return memoryview(self.buffer)[:size]
+
+    async def __aexit__(self, *exc) -> None:
+        if self.buffer is not None:
+            self.pool.release(self.buffer)
 
 
 def _decode(body: memoryview, content_type: str) -> Any:
@@ -106,7 +128,11 @@ def _encode(model, wire_format: bool) -> Response:
 def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfig], TrainingAPI]) -> FastAPI:
     app = FastAPI(title="Arctic RL", version="1", summary="The training API of Arctic RL over HTTP.")
     job = JobState(backend_factory=backend_factory,
-                   reads=ThreadPoolExecutor(settings.read_workers, thread_name_prefix="arctic-read"))
+                   reads=ThreadPoolExecutor(settings.read_workers, thread_name_prefix="arctic-read"),
+                   buffers=BufferPool(max_pooled_bytes=2 * settings.max_request_bytes))
+
+    def read(request: Request) -> Body:
+        return Body(request, settings.max_request_bytes, job.buffers)
     app.state.job = job
     app.add_middleware(GuardMiddleware, token=settings.token, max_request_bytes=settings.max_request_bytes)
 
@@ -143,8 +169,8 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
 
     @app.post(f"{API_PREFIX}/initialize")
     async def initialize(request: Request):
-        config = parse(BackendConfig, _decode(await _read_body(request, settings.max_request_bytes),
-                                              request.headers.get("content-type", "")), "")
+        async with read(request) as body:
+            config = parse(BackendConfig, _decode(body, request.headers.get("content-type", "")), "")
         if job.api is not None:
             if config != job.config:
                 raise InvalidRequest("body", "a job with a different configuration is already running on this server")
@@ -166,20 +192,21 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
     @app.post(f"{API_PREFIX}/echo")
     async def echo(request: Request):
         """Decode a message and report its size: measures the wire path alone (`arctic-rl bench server`)."""
-        body = await _read_body(request, settings.max_request_bytes)
-        if request.headers.get("content-type", "").startswith(wire.MEDIA_TYPE):
-            message = wire.decode(body, arrays=True)
-        else:
-            message = _decode(body, request.headers.get("content-type", ""))
-        return {"bytes": len(body), "keys": sorted(message) if isinstance(message, dict) else []}
+        async with read(request) as body:
+            if request.headers.get("content-type", "").startswith(wire.MEDIA_TYPE):
+                message = wire.decode(body, arrays=True)
+            else:
+                message = _decode(body, request.headers.get("content-type", ""))
+            return {"bytes": len(body), "keys": sorted(message) if isinstance(message, dict) else []}
 
     def add_route(route: Route):
         async def handler(request: Request):
             content_type = request.headers.get("content-type", "")
-            body = await _read_body(request, settings.max_request_bytes)
-            if job.api is None:
-                raise NoJob(f"no job is initialized: POST {API_PREFIX}/initialize first")
-            query = parse(route.request, _decode(body, content_type), "")
+            async with read(request) as body:
+                if job.api is None:
+                    raise NoJob(f"no job is initialized: POST {API_PREFIX}/initialize first")
+                query = parse(route.request, _decode(body, content_type), "")
+                fingerprint = hashlib.sha256(route.name.encode() + body).hexdigest()
             if route.ordered:
                 request_id = request.headers.get(REQUEST_ID_HEADER)
 
@@ -187,7 +214,6 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                     return await run_in(job.ordered, route.call, job.api, query)
 
                 if request_id:
-                    fingerprint = hashlib.sha256(route.name.encode() + bytes(body)).hexdigest()
                     result = await job.requests.once(request_id, fingerprint, apply)
                 else:
                     result = await apply()

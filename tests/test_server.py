@@ -1,0 +1,219 @@
+"""The server as a network peer sees it: bad input over HTTP, tokens, caps, replays, ordering, concurrency."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import save
+
+from arctic_rl_core import wire
+from arctic_rl_core.backend import InProcessBackend
+from arctic_rl_core.client import ArcticRLClient, AsyncArcticRLClient, Unauthorized
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.engines.distributed import free_loopback_port
+from arctic_rl_core.errors import BackendUnavailable
+from arctic_rl_core.server.app import ServerSettings
+from arctic_rl_core.server.run import ServerThread, build_server
+from tests.helpers import grpo_batch
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+def server(tiny_model):
+    settings = ServerSettings(port=free_loopback_port(), token=TOKEN, max_request_bytes=2**20)
+    with ServerThread(settings, BackendConfig(model_path=tiny_model, engine={"learning_rate": 1e-3})) as url:
+        yield url
+
+
+def post(url, route, body, content_type=wire.MEDIA_TYPE, token=TOKEN, **headers):
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"{url}/v1/{route}", content=body, headers={"Content-Type": content_type, **auth, **headers})
+
+
+def fwd_bwd_message(batch=None, loss="grpo"):
+    batch = batch or grpo_batch(prompt_len=12, response_len=10)  # long enough to travel as tensors
+    return {"sequences": [s.model_dump() for s in batch], "loss": {"name": loss}}
+
+
+def garbled_dtype():
+    data = bytearray(wire.encode(fwd_bwd_message()))
+    header_len = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + header_len])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["dtype"] = "BF16"
+    new = json.dumps(header).encode().ljust(header_len)
+    return bytes(data[:8] + new + data[8 + header_len :])
+
+
+def wrong_shape():
+    data = bytearray(wire.encode(fwd_bwd_message()))
+    header_len = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + header_len])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [header[name]["shape"][0] + 1]
+    new = json.dumps(header).encode().ljust(header_len)
+    return bytes(data[:8] + new + data[8 + header_len :])
+
+
+def float_token_ids():
+    message = fwd_bwd_message()
+    message["sequences"][0]["prompt_ids"] = np.arange(8, dtype=np.float32) + 0.5
+    return wire.encode(message)
+
+
+BAD = [
+    ("malformed JSON", lambda: (b'{"sequences": [', "application/json"), 400, "body"),
+    ("truncated safetensors", lambda: (wire.encode(fwd_bwd_message())[:-40], wire.MEDIA_TYPE), 400, "body"),
+    ("garbled safetensors", lambda: (b"\x10\x00\x00\x00\x00\x00\x00\x00" + b"not json at all!" + b"x" * 9, wire.MEDIA_TYPE), 400, "body"),
+    ("unsupported dtype", lambda: (garbled_dtype(), wire.MEDIA_TYPE), 400, "body"),
+    ("wrong shape", lambda: (wrong_shape(), wire.MEDIA_TYPE), 400, "body"),
+    ("floats for token ids", lambda: (float_token_ids(), wire.MEDIA_TYPE), 400, "sequences[0].prompt_ids[0]"),
+    ("unknown loss", lambda: (wire.encode(fwd_bwd_message(loss="nope")), wire.MEDIA_TYPE), 400, "loss.name"),
+    ("unknown field", lambda: (json.dumps({**fwd_bwd_message(), "extra": 1}).encode(), "application/json"), 400, "extra"),
+    ("wrong content type", lambda: (b"x", "text/plain"), 400, "content-type"),
+    ("body over the cap", lambda: (wire.encode({"x": np.zeros(2**18, dtype=np.float32)}), wire.MEDIA_TYPE), 413, "body"),
+]
+
+
+@pytest.mark.parametrize("name, make, status, field", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_a_clear_4xx_and_changes_nothing(server, name, make, status, field):
+    client = ArcticRLClient(server, token=TOKEN, retries=0)
+    client.fwd_bwd(grpo_batch(seed=1), "grpo")  # pending gradients must survive too
+    client.step()
+    digest = client.state_digest()
+    body, content_type = make()
+    response = post(server, "fwd_bwd", body, content_type)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and error["message"], error
+    assert client.health() == {"status": "ok"}
+    assert client.state_digest() == digest
+
+
+def test_token_is_required_and_checked(server):
+    assert httpx.get(f"{server}/v1/health").status_code == 401
+    wrong = httpx.get(f"{server}/v1/health", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["field"] == "authorization"
+    assert httpx.get(f"{server}/openapi.json").status_code == 401  # every request, not just the API
+    with pytest.raises(Unauthorized, match="wrong"):
+        ArcticRLClient(server, token="nope", retries=0).health()
+    ok = ArcticRLClient(server, token=TOKEN)
+    assert ok.health() == {"status": "ok"}
+    spec = httpx.get(f"{server}/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert {"/v1/fwd_bwd", "/v1/generate", "/v1/sync_weights"} <= set(spec["paths"])
+    assert "Sequence" in spec["components"]["schemas"]
+
+
+def test_token_from_environment(server, monkeypatch):
+    monkeypatch.setenv("ARCTIC_RL_TOKEN", TOKEN)
+    assert ArcticRLClient(server).health() == {"status": "ok"}
+
+
+def test_off_loopback_bind_requires_a_token(tiny_model):
+    with pytest.raises(SystemExit, match="needs a token"):
+        build_server(ServerSettings(host="0.0.0.0", port=free_loopback_port()))
+
+
+def test_replayed_request_id_is_applied_once(server):
+    client = ArcticRLClient(server, token=TOKEN, retries=0)
+    body = wire.encode(fwd_bwd_message())
+    first = post(server, "fwd_bwd", body, **{"X-Request-Id": "abc"})
+    replay = post(server, "fwd_bwd", body, **{"X-Request-Id": "abc"})
+    assert first.status_code == replay.status_code == 200
+    assert wire.decode(first.content) == wire.decode(replay.content)  # the first outcome, not a second run
+    conflict = post(server, "fwd_bwd", wire.encode(fwd_bwd_message(grpo_batch(seed=5))), **{"X-Request-Id": "abc"})
+    assert conflict.status_code == 409 and conflict.json()["error"]["field"] == "X-Request-Id"
+    once = client.step().grad_norm
+    # Compare with a fresh server that applied the batch exactly once.
+    reference = InProcessBackend({"model_path": client.status()["config"]["model_path"], "engine": {"learning_rate": 1e-3}})
+    reference.fwd_bwd(grpo_batch(prompt_len=12, response_len=10), "grpo")
+    assert once == pytest.approx(reference.step().grad_norm, rel=1e-6)
+
+
+def test_ordered_calls_apply_in_order_and_reads_do_not_wait(tiny_model):
+    """A generate completes while a fwd_bwd is still running; futures keep training calls in order."""
+    gate = threading.Event()
+    started = threading.Event()
+
+    class SlowBackend(InProcessBackend):
+        def fwd_bwd(self, sequences, loss):
+            started.set()
+            assert gate.wait(30)
+            return super().fwd_bwd(sequences, loss)
+
+    settings = ServerSettings(port=free_loopback_port())
+    with ServerThread(settings, BackendConfig(model_path=tiny_model), backend_factory=SlowBackend) as url:
+        client = ArcticRLClient(url, retries=0)
+        training = client.futures.fwd_bwd(grpo_batch(), "grpo")
+        stepped = client.futures.step()
+        assert started.wait(30)
+        completions = client.futures.generate([[5, 6, 7]], {"n": 2, "max_tokens": 4}).result(timeout=30)
+        assert len(completions) == 2 and not training.done() and not stepped.done()
+        gate.set()
+        assert training.result(timeout=60).num_sequences == 6
+        assert stepped.result(timeout=60).step == 1  # the step came after the fwd_bwd it needed
+
+
+def test_async_client(server):
+    import asyncio
+
+    async def main():
+        client = AsyncArcticRLClient(server, token=TOKEN, retries=0)
+        generate = asyncio.create_task(client.generate([[5, 6, 7]], {"n": 3, "max_tokens": 5, "seed": 2}))
+        result = await client.fwd_bwd(grpo_batch(), "grpo")
+        stepped = await client.step()
+        version = await client.sync_weights()
+        completions = await generate
+        await client.aclose()
+        return result, stepped, version, completions
+
+    result, stepped, version, completions = asyncio.run(main())
+    assert result.num_sequences == 6 and stepped.step == 1 and version == 1 and len(completions) == 3
+
+
+def test_connection_loss_is_a_clear_error():
+    client = ArcticRLClient(f"http://127.0.0.1:{free_loopback_port()}", retries=2, backoff_s=0.01)
+    with pytest.raises(BackendUnavailable, match="after 3 attempts"):
+        client.fwd_bwd(grpo_batch(), "grpo")
+
+
+def test_calls_before_initialize_and_initialize_over_http(tiny_model):
+    with ServerThread(ServerSettings(port=free_loopback_port())) as url:
+        client = ArcticRLClient(url, retries=0)
+        assert client.status()["initialized"] is False
+        response = httpx.post(f"{url}/v1/step", json={})
+        assert response.status_code == 409 and "initialize" in response.json()["error"]["message"]
+        bad = httpx.post(f"{url}/v1/initialize", json={"model_path": tiny_model, "engine": {"zero_stagee": 1}})
+        assert bad.status_code == 400 and bad.json()["error"]["field"] == "engine.zero_stagee"
+        client.initialize({"model_path": tiny_model})
+        assert client.status()["initialized"] is True and client.weight_version == 0
+        other = httpx.post(f"{url}/v1/initialize", json={"model_path": tiny_model, "engine": {"zero_stage": 1}})
+        assert other.status_code == 400
+
+
+def test_serve_command_line(tiny_model, tmp_path):
+    config = tmp_path / "job.yaml"
+    config.write_text(f"model_path: {tiny_model}\nengine:\n  zero_stage: 1\n")
+    port = free_loopback_port()
+    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen([cli, "serve", "--port", str(port), "--config", str(config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = ArcticRLClient(f"http://127.0.0.1:{port}", retries=8, backoff_s=0.25)
+        assert client.status()["config"]["engine"]["zero_stage"] == 1
+        assert len(client.generate([[5, 6]], {"max_tokens": 3})) == 1
+        client.shutdown()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    refused = subprocess.run([cli, "serve", "--host", "0.0.0.0", "--port", str(port)], env=env, capture_output=True, text=True)
+    assert refused.returncode != 0 and "needs a token" in refused.stderr
