@@ -107,7 +107,8 @@ def encode_parts(message: Any) -> Encoded:
 
     def walk(value, path):
         if isinstance(value, dict):
-            return {k: walk(v, path + (k,)) for k, v in value.items()}
+            # A user key starting with "$" gets one more "$", so no user dict reads as a reference.
+            return {(f"${k}" if k.startswith("$") else k): walk(v, path + (k,)) for k, v in value.items()}
         if isinstance(value, (list, tuple, np.ndarray)):
             arr = as_array(value)
             if arr is None:
@@ -207,7 +208,7 @@ def decode(body: bytes | bytearray | memoryview, *, arrays: bool = False) -> Any
         if isinstance(value, dict):
             if "$t" in value:
                 return reference(value)
-            return {k: resolve(v, depth + 1) for k, v in value.items()}
+            return {(k[1:] if k.startswith("$$") else k): resolve(v, depth + 1) for k, v in value.items()}
         if isinstance(value, list):
             return [resolve(v, depth + 1) for v in value]
         return value

@@ -1,8 +1,14 @@
 import os
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs the same examples every time (main stays green); explore with
+# HYPOTHESIS_PROFILE=explore to search fresh inputs.
+settings.register_profile("suite", derandomize=True, max_examples=300)
+settings.register_profile("explore", max_examples=5000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 @pytest.fixture(scope="session")

@@ -99,6 +99,14 @@ def test_bad_input_gets_a_clear_4xx_and_changes_nothing(server, name, make, stat
 
 
 def test_token_is_required_and_checked(server):
+    client = ArcticRLClient(server, token=TOKEN, retries=0)
+    digest = client.state_digest()
+    for token in (None, "nope"):
+        refused = post(server, "step", wire.encode({}), token=token)
+        assert refused.status_code == 401 and refused.json()["error"]["field"] == "authorization"
+        refused = post(server, "fwd_bwd", wire.encode(fwd_bwd_message()), token=token)
+        assert refused.status_code == 401
+    assert client.state_digest() == digest
     assert httpx.get(f"{server}/v1/health").status_code == 401
     wrong = httpx.get(f"{server}/v1/health", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["field"] == "authorization"

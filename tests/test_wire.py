@@ -80,13 +80,12 @@ json_values = st.recursive(
 
 
 @given(json_values)
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.too_slow])
 def test_any_json_message_round_trips(message):
     assert decode(encode({"m": message})) == {"m": message}
 
 
 @given(st.binary(max_size=512))
-@settings(max_examples=300)
 def test_random_bytes_give_only_wire_errors(data):
     try:
         decode(data)
@@ -95,7 +94,7 @@ def test_random_bytes_give_only_wire_errors(data):
 
 
 @given(st.data())
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(suppress_health_check=[HealthCheck.too_slow])
 def test_mutated_messages_give_only_wire_errors(data):
     raw = bytearray(encode(valid_message()))
     for _ in range(data.draw(st.integers(1, 6))):
