@@ -35,8 +35,10 @@ class TrainingAPI(ABC):
         """Sample `sampling.n` completions per prompt from the last synced weights."""
 
     @abstractmethod
-    def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0) -> LogProbsResult:
-        """Per-token log-probs (and entropy) of each response under the trainer's current weights."""
+    def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0,
+                  source: str = "trainer") -> LogProbsResult:
+        """Per-token log-probs (and entropy) of each response: under the trainer's current weights
+        (`source="trainer"`, ZoRRo-packed), or under the sampler's last synced ones (`source="sampler"`)."""
 
     @abstractmethod
     def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec) -> FwdBwdResult:

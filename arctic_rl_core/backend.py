@@ -7,7 +7,7 @@ request leaves weights, optimizer state and accumulated gradients as they were.
 from __future__ import annotations
 
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from arctic_rl_core.api import TrainingAPI
@@ -65,6 +65,19 @@ class InProcessBackend(TrainingAPI):
         validate_sequences(seqs, max_context=self.engine.max_context, vocab_size=self.engine.vocab_size)
         return seqs
 
+    @contextmanager
+    def _sampler_asleep(self):
+        """With sampler.sleep_during_training, the sampler's KV cache is released while training runs."""
+        if not self.config.sampler.sleep_during_training:
+            yield
+            return
+        with self._sampler_lock:
+            self.sampler.sleep()
+            try:
+                yield
+            finally:
+                self.sampler.wake_up()
+
     def _micro_batches(self, seqs: list[Sequence]):
         zorro = self.config.zorro
         return build_micro_batches(
@@ -104,10 +117,20 @@ class InProcessBackend(TrainingAPI):
         with self._sampler_lock:
             return self.sampler.generate(prompts, params, self._weight_version)
 
-    def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0) -> LogProbsResult:
+    def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0,
+                  source: str = "trainer") -> LogProbsResult:
         seqs = self._validated(sequences)
         if not temperature > 0:
             raise InvalidRequest("temperature", "must be > 0")
+        if source == "sampler":
+            if with_entropy or temperature != 1.0:
+                raise InvalidRequest("with_entropy" if with_entropy else "temperature",
+                                     "the sampler scores plain log-probs only (temperature 1, no entropy)")
+            with self._sampler_lock:
+                scores = self.sampler.score([(s.prompt_ids, s.response_ids) for s in seqs])
+            return LogProbsResult(logprobs=scores, weight_version=self._weight_version)
+        if source != "trainer":
+            raise InvalidRequest("source", f"must be 'trainer' or 'sampler', got {source!r}")
         post = self._post_chain([ProcessorSpec(name="apply_temperature", config={"temperature": temperature})]) if temperature != 1.0 else []
         micro = self._micro_batches(seqs)
         logprobs: list[list[float]] = [[] for _ in seqs]
@@ -132,7 +155,7 @@ class InProcessBackend(TrainingAPI):
         seqs = self._validated(sequences)
         require_fields(seqs, entry.required_fields(loss_config), f"loss {spec.name!r}")
         micro = self._micro_batches(seqs)
-        with self._train_lock:
+        with self._train_lock, self._sampler_asleep():
             value, metrics = self.engine.forward_backward(micro, entry, loss_config, post)
         return FwdBwdResult(
             loss=value,
@@ -148,7 +171,7 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock:
             if not self.engine.has_gradients:
                 raise InvalidRequest("step", "no gradients accumulated since the last step; call fwd_bwd first")
-            with self._weights_lock:
+            with self._weights_lock, self._sampler_asleep():
                 grad_norm, lr = self.engine.optimizer_step(learning_rate)
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
 

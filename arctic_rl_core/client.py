@@ -143,8 +143,10 @@ class ArcticRLClient(TrainingAPI):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None) -> list[Completion]:
         return self._call("generate", _request("generate", prompts=prompts, sampling=sampling or {})).completions
 
-    def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0) -> LogProbsResult:
-        return self._call("log_probs", _request("log_probs", sequences=sequences, with_entropy=with_entropy, temperature=temperature))
+    def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0,
+                  source: str = "trainer") -> LogProbsResult:
+        return self._call("log_probs", _request("log_probs", sequences=sequences, with_entropy=with_entropy, temperature=temperature,
+                                                                source=source))
 
     def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec | dict | str) -> FwdBwdResult:
         return self._call("fwd_bwd", _request("fwd_bwd", sequences=sequences, loss=_loss(loss)))
@@ -195,8 +197,10 @@ class AsyncArcticRLClient:
     async def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None) -> list[Completion]:
         return (await self._call("generate", _request("generate", prompts=prompts, sampling=sampling or {}))).completions
 
-    async def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0) -> LogProbsResult:
-        return await self._call("log_probs", _request("log_probs", sequences=sequences, with_entropy=with_entropy, temperature=temperature))
+    async def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0,
+                  source: str = "trainer") -> LogProbsResult:
+        return await self._call("log_probs", _request("log_probs", sequences=sequences, with_entropy=with_entropy, temperature=temperature,
+                                                                source=source))
 
     async def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec | dict | str) -> FwdBwdResult:
         return await self._call("fwd_bwd", _request("fwd_bwd", sequences=sequences, loss=_loss(loss)))

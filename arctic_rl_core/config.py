@@ -50,9 +50,31 @@ class ZorroConfig(_Config):
 
 
 class SamplerConfig(_Config):
-    name: str = "transformers"
+    name: str = "vllm"
+    """`vllm`; or `transformers` (HF generate on a copy of the weights: light, slow, no prefix caching)."""
     dtype: Dtype | None = None
     """Defaults to the engine's dtype."""
+    placement: Literal["in_process", "subprocess"] = "in_process"
+    """vLLM's engine in this process (colocated), or in its own process (disaggregated)."""
+    sync: Literal["shared_memory", "broadcast", "file"] = "shared_memory"
+    """How `sync_weights` moves weights: the trainer's tensors handed over in process; a bucketed
+    torch.distributed broadcast (gloo on CPU, NCCL on GPU) to an engine in another process;
+    or safetensors files."""
+    sync_dir: str | None = None
+    """Where the file path writes (default: a temporary directory)."""
+    sync_host: str = "127.0.0.1"
+    """Address the vLLM worker uses to reach the trainer for the broadcast path."""
+    bucket_mb: int = Field(64, ge=1)
+    max_model_len: int | None = None
+    """Defaults to the model's context."""
+    kv_cache_mb: int = Field(512, ge=16)
+    """KV cache size on CPU (vLLM's CPU backend reserves host memory)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    sleep_during_training: bool = False
+    """Release the KV cache (vLLM sleep mode) during fwd_bwd and step; for colocated GPUs, not with pipelining.
+    vLLM's CPU build ignores it."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Passed to vLLM's LLM(...) as is."""
 
 
 class BackendConfig(_Config):

@@ -138,6 +138,7 @@ class LogProbsRequest(_Strict):
     sequences: list[Sequence]
     with_entropy: bool = False
     temperature: float = Field(default=1.0, gt=0)
+    source: Literal["trainer", "sampler"] = "trainer"
 
 
 class LogProbsResult(_Strict):

@@ -37,6 +37,12 @@ def arctic_rl_training_engines():
     return {"deepspeed": _deepspeed_engine}
 
 
+def _vllm_sampler(config):
+    from arctic_rl_core.samplers.vllm_sampler import VLLMSampler
+
+    return VLLMSampler(config)
+
+
 @hookimpl
 def arctic_rl_samplers():
-    return {"transformers": _transformers_sampler}
+    return {"vllm": _vllm_sampler, "transformers": _transformers_sampler}

@@ -11,6 +11,12 @@ settings.register_profile("explore", max_examples=5000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
+# Tests that are about the training API, not the sampler, use the light transformers sampler: many
+# backends live in this one process, and an in-process vLLM engine is one per process
+# (tests/test_vllm_sampler.py runs vLLM in its own interpreters).
+LIGHT_SAMPLER = {"name": "transformers"}
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Tiny random models of each family, built once per session."""
@@ -31,7 +37,8 @@ def make_backend(tiny_model):
 
     def make(model_path=None, zorro=True, **engine):
         engine.setdefault("learning_rate", 1e-3)
-        return InProcessBackend({"model_path": model_path or tiny_model, "engine": engine, "zorro": {"enable": zorro}})
+        return InProcessBackend({"model_path": model_path or tiny_model, "engine": engine, "zorro": {"enable": zorro},
+                                 "sampler": LIGHT_SAMPLER})
 
     return make
 
@@ -50,7 +57,8 @@ def make_api(request, tiny_model):
 
     def make(zorro=True, **engine):
         engine.setdefault("learning_rate", 1e-3)
-        config = BackendConfig.model_validate({"model_path": tiny_model, "engine": engine, "zorro": {"enable": zorro}})
+        config = BackendConfig.model_validate({"model_path": tiny_model, "engine": engine, "zorro": {"enable": zorro},
+                                               "sampler": LIGHT_SAMPLER})
         if request.param == "inprocess":
             return InProcessBackend(config)
         server = ServerThread(ServerSettings(port=free_loopback_port()), config)

@@ -11,7 +11,7 @@ from tests.helpers import grpo_batch
 
 
 def weights(backend):
-    return {name: t for name, t in backend.engine.named_full_weights()}
+    return {name: t.clone() for name, t in backend.engine.named_full_weights()}  # tensors are lent, not given
 
 
 def test_grpo_step_changes_weights_and_sync_bumps_version(make_backend):

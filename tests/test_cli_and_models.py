@@ -72,7 +72,7 @@ def test_demo_loop_raises_reward(tiny_model, make_backend):
 
     from arctic_rl_core.demo import run_demo
 
-    backend = make_backend(learning_rate=3e-3)
+    backend = make_backend(learning_rate=2e-2)
     history = run_demo(backend, AutoTokenizer.from_pretrained(tiny_model), steps=12, group_size=8, prompts_per_step=4,
                        max_tokens=12, seed=0, log=lambda line: None)
     assert [h["weight_version"] for h in history] == list(range(1, 13))

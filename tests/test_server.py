@@ -21,6 +21,7 @@ from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import BackendUnavailable
 from arctic_rl_core.server.app import ServerSettings
 from arctic_rl_core.server.run import ServerThread, build_server
+from tests.conftest import LIGHT_SAMPLER
 from tests.helpers import grpo_batch
 
 TOKEN = "s3cret-token"
@@ -29,7 +30,7 @@ TOKEN = "s3cret-token"
 @pytest.fixture
 def server(tiny_model):
     settings = ServerSettings(port=free_loopback_port(), token=TOKEN, max_request_bytes=2**20)
-    with ServerThread(settings, BackendConfig(model_path=tiny_model, engine={"learning_rate": 1e-3})) as url:
+    with ServerThread(settings, BackendConfig(model_path=tiny_model, engine={"learning_rate": 1e-3}, sampler=LIGHT_SAMPLER)) as url:
         yield url
 
 
@@ -141,7 +142,8 @@ def test_replayed_request_id_is_applied_once(server):
     assert conflict.status_code == 409 and conflict.json()["error"]["field"] == "X-Request-Id"
     once = client.step().grad_norm
     # Compare with a fresh server that applied the batch exactly once.
-    reference = InProcessBackend({"model_path": client.status()["config"]["model_path"], "engine": {"learning_rate": 1e-3}})
+    reference = InProcessBackend({"model_path": client.status()["config"]["model_path"], "engine": {"learning_rate": 1e-3},
+                                  "sampler": LIGHT_SAMPLER})
     reference.fwd_bwd(grpo_batch(prompt_len=12, response_len=10), "grpo")
     assert once == pytest.approx(reference.step().grad_norm, rel=1e-6)
 
@@ -158,7 +160,7 @@ def test_ordered_calls_apply_in_order_and_reads_do_not_wait(tiny_model):
             return super().fwd_bwd(sequences, loss)
 
     settings = ServerSettings(port=free_loopback_port())
-    with ServerThread(settings, BackendConfig(model_path=tiny_model), backend_factory=SlowBackend) as url:
+    with ServerThread(settings, BackendConfig(model_path=tiny_model, sampler=LIGHT_SAMPLER), backend_factory=SlowBackend) as url:
         client = ArcticRLClient(url, retries=0)
         training = client.futures.fwd_bwd(grpo_batch(), "grpo")
         stepped = client.futures.step()
@@ -201,9 +203,10 @@ def test_calls_before_initialize_and_initialize_over_http(tiny_model):
         assert response.status_code == 409 and "initialize" in response.json()["error"]["message"]
         bad = httpx.post(f"{url}/v1/initialize", json={"model_path": tiny_model, "engine": {"zero_stagee": 1}})
         assert bad.status_code == 400 and bad.json()["error"]["field"] == "engine.zero_stagee"
-        client.initialize({"model_path": tiny_model})
+        client.initialize({"model_path": tiny_model, "sampler": LIGHT_SAMPLER})
         assert client.status()["initialized"] is True and client.weight_version == 0
-        other = httpx.post(f"{url}/v1/initialize", json={"model_path": tiny_model, "engine": {"zero_stage": 1}})
+        other = httpx.post(f"{url}/v1/initialize", json={"model_path": tiny_model, "engine": {"zero_stage": 1},
+                                                         "sampler": LIGHT_SAMPLER})
         assert other.status_code == 400
 
 

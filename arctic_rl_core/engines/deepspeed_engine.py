@@ -243,6 +243,9 @@ class DeepSpeedEngine(TrainingEngine):
             self.engine.module.model.unmerge_adapter()
 
     def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # Full parameters are handed out as they are (no copy); gathered (ZeRO-3) or merged (LoRA)
+        # ones only exist inside their context, so those are copied.
+        copy = self.stage == 3 or self._lora
         with self._merged():
             for name, param in self._causal_lm.named_parameters():
                 if self._lora:
@@ -250,7 +253,7 @@ class DeepSpeedEngine(TrainingEngine):
                         continue
                     name = name.replace(".base_layer.", ".")
                 with self._gathered([param]):
-                    yield name, param.detach().clone()
+                    yield name, param.detach().clone() if copy else param.detach()
 
     def save(self, path: str, client_state: dict) -> None:
         self.engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state={**client_state, "steps": self._steps})

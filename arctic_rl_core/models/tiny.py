@@ -77,9 +77,12 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int = 2, hidden: int
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
-def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: int = 64, heads: int = 4,
-                    kv_heads: int = 2, vocab_size: int = 512, max_positions: int = 2048, seed: int = 0) -> str:
-    """Write a random-initialised model and its tokenizer to `out_dir`; return the directory."""
+def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: int = 64, heads: int = 2,
+                    kv_heads: int = 1, vocab_size: int = 512, max_positions: int = 2048, seed: int = 0) -> str:
+    """Write a random-initialised model and its tokenizer to `out_dir`; return the directory.
+
+    The default head size is 32: vLLM's CPU attention kernels support no smaller one.
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 

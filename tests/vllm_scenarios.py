@@ -1,0 +1,107 @@
+"""vLLM sampler scenarios, each run in a fresh interpreter by tests/test_vllm_sampler.py.
+
+One backend per process, as deployed: an in-process vLLM engine tears down the
+process's torch.distributed state when it shuts down.
+Usage: python -m tests.vllm_scenarios SCENARIO MODEL_DIR [SYNC PLACEMENT]; prints one JSON line.
+"""
+
+import json
+import sys
+import threading
+import time
+
+
+def backend(model_dir, sync="shared_memory", placement="in_process"):
+    from arctic_rl_core.backend import InProcessBackend
+
+    return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2},
+                             "sampler": {"name": "vllm", "sync": sync, "placement": placement, "kv_cache_mb": 64}})
+
+
+def max_err(a, b):
+    return max(abs(x - y) for r, q in zip(a, b) for x, y in zip(r, q))
+
+
+def sync(model_dir, sync_path, placement):
+    from arctic_rl_core.types import Sequence
+    from tests.helpers import grpo_batch
+
+    api = backend(model_dir, sync_path, placement)
+    batch = grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6)
+    fixed = [Sequence(prompt_ids=s.prompt_ids, response_ids=s.response_ids) for s in batch]
+    result = {"initial_err": max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)}
+    api.fwd_bwd(batch, "grpo")
+    api.step()
+    result["stale_err"] = max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)
+    t0 = time.perf_counter()
+    result["version"] = api.sync_weights()
+    result["sync_s"] = time.perf_counter() - t0
+    result["synced_err"] = max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)
+    completions = api.generate([batch[0].prompt_ids], {"n": 4, "max_tokens": 6, "temperature": 0.8, "seed": 3})
+    scored = api.log_probs(
+        [Sequence(prompt_ids=batch[0].prompt_ids, response_ids=c.token_ids) for c in completions],
+        temperature=0.8,
+    ).logprobs
+    result["behaviour_err"] = max_err([c.logprobs for c in completions], scored)
+    result["completion_versions"] = sorted({c.weight_version for c in completions})
+    return result
+
+
+def concurrent(model_dir):
+    """A generate issued while a fwd_bwd runs (holding the training lock) completes without waiting."""
+    from tests.helpers import grpo_batch
+
+    api = backend(model_dir)
+    api.generate([[5, 6, 7]], {"max_tokens": 2})  # warm-up
+    gate, inside = threading.Event(), threading.Event()
+    original = api.engine.forward_backward
+
+    def held(*args, **kwargs):
+        inside.set()
+        assert gate.wait(60)
+        return original(*args, **kwargs)
+
+    api.engine.forward_backward = held
+    training = threading.Thread(target=api.fwd_bwd, args=(grpo_batch(), "grpo"))
+    training.start()
+    assert inside.wait(60)
+    t0 = time.perf_counter()
+    completions = api.generate([[5, 6, 7], [8, 9]], {"n": 2, "max_tokens": 8, "seed": 1})
+    result = {"generated": len(completions), "generate_s": time.perf_counter() - t0, "training_alive": training.is_alive()}
+    gate.set()
+    training.join(60)
+    result["training_done"] = not training.is_alive()
+    return result
+
+
+def bad_input(model_dir):
+    from arctic_rl_core.errors import InvalidRequest
+
+    api = backend(model_dir)
+    fields = {}
+    for name, call in (
+        ("too_long", lambda: api.generate([[5] * 250], {"max_tokens": 10})),
+        ("max_tokens", lambda: api.generate([[5, 6]], {"max_tokens": 0})),
+        ("negative_max_tokens", lambda: api.generate([[5, 6]], {"max_tokens": -3})),
+        ("stop_token", lambda: api.generate([[5, 6]], {"max_tokens": 3, "stop_token_ids": [10**6]})),
+        ("sampler_temperature", lambda: api.log_probs([{"prompt_ids": [5], "response_ids": [6]}], temperature=0.5, source="sampler")),
+    ):
+        try:
+            call()
+            fields[name] = None
+        except InvalidRequest as err:
+            fields[name] = err.field
+    out = api.generate([[5, 6, 7]], {"n": 2, "max_tokens": 4, "stop_token_ids": [7]})
+    return {"fields": fields, "still_serving": len(out) == 2,
+            "finish": [c.finish_reason for c in out], "lengths": [len(c.token_ids) for c in out]}
+
+
+if __name__ == "__main__":
+    from arctic_rl_core.engines.distributed import select_accelerator
+    from transformers.utils import logging as hf_logging
+
+    select_accelerator()
+    hf_logging.disable_progress_bar()
+    scenario, model_dir, *rest = sys.argv[1:]
+    result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input}[scenario](model_dir, *rest)
+    print("RESULT " + json.dumps(result), flush=True)
