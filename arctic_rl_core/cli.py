@@ -67,6 +67,12 @@ def _cmd_bench_server(args) -> int:
     return main(args)
 
 
+def _cmd_bench_sync(args) -> int:
+    from arctic_rl_core.bench.sync import main
+
+    return main(args)
+
+
 def _cmd_serve(args) -> int:
     from arctic_rl_core.server.run import main
 
@@ -129,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_server.add_arguments(p)
     p.set_defaults(func=_cmd_bench_server)
+    p = bench_sub.add_parser("sync", help="sync_weights time and GB/s per path and model size, beside memcpy")
+    from arctic_rl_core.bench import sync as bench_sync
+
+    bench_sync.add_arguments(p)
+    p.set_defaults(func=_cmd_bench_sync)
     return parser
 
 
