@@ -17,7 +17,7 @@ from arctic_rl_core import wire
 from arctic_rl_core.backend import InProcessBackend
 from arctic_rl_core.client import ArcticRLClient, AsyncArcticRLClient, Unauthorized
 from arctic_rl_core.config import BackendConfig
-from arctic_rl_core.engines.distributed import free_loopback_port
+from arctic_rl_core.engines.distributed import free_loopback_port, standalone_env
 from arctic_rl_core.errors import BackendUnavailable
 from arctic_rl_core.server.app import ServerSettings
 from arctic_rl_core.server.run import ServerThread, build_server
@@ -215,7 +215,7 @@ def test_serve_command_line(tiny_model, tmp_path):
     config.write_text(f"model_path: {tiny_model}\nengine:\n  zero_stage: 1\n")
     port = free_loopback_port()
     cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = standalone_env()
     proc = subprocess.Popen([cli, "serve", "--port", str(port), "--config", str(config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

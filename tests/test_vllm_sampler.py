@@ -10,11 +10,13 @@ import sys
 
 import pytest
 
+from arctic_rl_core.engines.distributed import standalone_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_scenario(*args, timeout=300):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = standalone_env()
     proc = subprocess.run([sys.executable, "-m", "tests.vllm_scenarios", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

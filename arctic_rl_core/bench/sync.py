@@ -41,9 +41,10 @@ def worker(model_dir: str, sync: str, placement: str, repeats: int) -> dict:
 def run(repeats: int) -> dict:
     import torch
 
+    from arctic_rl_core.engines.distributed import standalone_env
     from arctic_rl_core.models.tiny import make_tiny_model
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = standalone_env()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden, layers in SIZES:

@@ -104,6 +104,7 @@ def run(args: dict) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from arctic_rl_core.engines.distributed import standalone_env
     from arctic_rl_core.models.tiny import make_tiny_model
     from arctic_rl_core.zorro.cost import Shape, theoretical_speedup
 
@@ -115,7 +116,7 @@ def run(args: dict) -> dict:
         )
         results = {}
         # Each worker is a world of one: it must not join this process's torch.distributed rendezvous.
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env = standalone_env()
         for mode in ("naive", "zorro"):
             proc = subprocess.run(
                 [sys.executable, "-m", "arctic_rl_core.bench.zorro", "--worker", mode, json.dumps(args), tmp],

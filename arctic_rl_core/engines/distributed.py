@@ -18,6 +18,14 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def standalone_env() -> dict[str, str]:
+    """This process's environment for a child that must be a world of its own, not join our rendezvous."""
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARIABLES}
+
+
 def select_accelerator() -> None:
     """Tell DeepSpeed to use its CPU accelerator where there is no GPU.
 

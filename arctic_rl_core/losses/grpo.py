@@ -172,7 +172,6 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
         token_loss = token_loss - config.entropy_coeff * entropy
         metrics["entropy"] = inputs.token_mean(entropy * keep)
 
-    # Masked tokens leave the loss but keep the batch denominators: a mask is "this token says nothing".
     weights = inputs.token_weights(config.loss_agg_mode)
     loss = (token_loss * keep * weights).sum()
     metrics.update(
