@@ -64,7 +64,7 @@ class SamplerConfig(_Config):
     """Where the file path writes (default: a temporary directory)."""
     sync_host: str = "127.0.0.1"
     """Address the vLLM worker uses to reach the trainer for the broadcast path."""
-    bucket_mb: int = Field(64, ge=1)
+    bucket_mb: float = Field(64, gt=0)
     max_model_len: int | None = None
     """Defaults to the model's context."""
     kv_cache_mb: int = Field(512, ge=16)

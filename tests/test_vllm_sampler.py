@@ -35,7 +35,9 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement):
     assert result["initial_err"] <= 1e-3  # same weights at start
     assert result["stale_err"] > 1e-2  # after a step, before the sync, they differ
     assert result["synced_err"] <= 1e-3  # after the sync the sampler computes what the trainer does
-    assert result["version"] == 1 and result["completion_versions"] == [1]
+    assert result["second_synced_err"] <= 1e-3
+    assert result["weight_mb"] > 0.3  # several 0.1 MB buckets
+    assert result["version"] == 2 and result["completion_versions"] == [2]
     assert result["behaviour_err"] <= 1e-3  # sampled log-probs are usable as behaviour log-probs
 
 

@@ -14,8 +14,10 @@ import time
 def backend(model_dir, sync="shared_memory", placement="in_process"):
     from arctic_rl_core.backend import InProcessBackend
 
+    # 0.1 MB buckets: the tiny model's weights then travel in several (the broadcast path reuses its buffers).
     return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2},
-                             "sampler": {"name": "vllm", "sync": sync, "placement": placement, "kv_cache_mb": 64}})
+                             "sampler": {"name": "vllm", "sync": sync, "placement": placement, "kv_cache_mb": 64,
+                                         "bucket_mb": 0.1}})
 
 
 def max_err(a, b):
@@ -37,6 +39,11 @@ def sync(model_dir, sync_path, placement):
     result["version"] = api.sync_weights()
     result["sync_s"] = time.perf_counter() - t0
     result["synced_err"] = max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)
+    result["weight_mb"] = sum(t.numel() * t.element_size() for _, t in api.engine.named_full_weights()) / 2**20
+    api.fwd_bwd(batch, "grpo")  # a second sync reuses whatever buffers the first one left
+    api.step()
+    result["version"] = api.sync_weights()
+    result["second_synced_err"] = max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)
     completions = api.generate([batch[0].prompt_ids], {"n": 4, "max_tokens": 6, "temperature": 0.8, "seed": 3})
     scored = api.log_probs(
         [Sequence(prompt_ids=batch[0].prompt_ids, response_ids=c.token_ids) for c in completions],

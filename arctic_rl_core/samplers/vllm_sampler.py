@@ -151,7 +151,7 @@ class VLLMSampler(Sampler):
     def _sync_broadcast(self, weights) -> int:
         """Bucketed broadcast; the worker loads each bucket as it arrives."""
         received = self._rpc.submit(self.llm.collective_rpc, "arctic_receive_broadcast", timeout=_SYNC_TIMEOUT_S)
-        sender = BucketSender(self._group, self.config.bucket_mb * 2**20)
+        sender = BucketSender(self._group, int(self.config.bucket_mb * 2**20), owner=self)
         try:
             for name, tensor in weights:
                 sender.add(name, tensor)

@@ -25,14 +25,25 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _reusable(holder, attr: str, nbytes: int) -> torch.Tensor:
+    """A byte buffer kept on `holder` between syncs: fresh memory is what costs most on our VMs."""
+    buf = getattr(holder, attr, None)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=_device())
+        setattr(holder, attr, buf)
+    return buf[:nbytes]
+
+
 class BucketSender:
     """Trainer side: packs tensors into a flat bucket as they arrive and broadcasts each full bucket
-    as header [layout bytes, data bytes], JSON layout, data; `close` sends the end marker."""
+    as header [layout bytes, data bytes], JSON layout, data; `close` sends the end marker.
+    The bucket memory belongs to `owner` and is reused by the next sync."""
 
-    def __init__(self, group, bucket_bytes: int):
+    def __init__(self, group, bucket_bytes: int, owner):
         self.group = group
+        self.owner = owner
         self.capacity = bucket_bytes
-        self.flat = torch.empty(bucket_bytes, dtype=torch.uint8, device=_device())
+        self.flat = _reusable(owner, "_arctic_send_buffer", bucket_bytes)
         self.layout: list = []
         self.used = 0
 
@@ -42,7 +53,7 @@ class BucketSender:
             self.flush()
         if nbytes > self.capacity:  # a tensor larger than a bucket travels alone
             self.capacity = nbytes
-            self.flat = torch.empty(nbytes, dtype=torch.uint8, device=_device())
+            self.flat = _reusable(self.owner, "_arctic_send_buffer", nbytes)
         self.flat[self.used : self.used + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         self.layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.used))
         self.used += nbytes
@@ -98,7 +109,7 @@ class WeightSyncExtension:
                     return
                 meta = torch.empty(meta_bytes, dtype=torch.uint8)
                 _broadcast(group, meta)
-                flat = torch.empty(nbytes, dtype=torch.uint8, device=_device())
+                flat = _reusable(self, "_arctic_receive_buffer", nbytes)
                 _broadcast(group, flat)
                 for name, dtype, shape, offset in json.loads(meta.numpy().tobytes()):
                     dt = getattr(torch, dtype)
