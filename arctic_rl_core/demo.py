@@ -92,6 +92,7 @@ def main(args) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo prints its own progress
     model_dir = args.model_dir
     if not os.path.isdir(model_dir):
         print(f"building a tiny random Qwen3 model in {model_dir}")
