@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import resource
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -27,3 +30,19 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> t
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), times
+
+
+def run_worker(module: str, *args: str) -> dict:
+    """Run `python -m module --worker args...` in a process of its own; return the JSON line it prints last.
+
+    Each worker is a world of one (one backend per process): it must not join this process's
+    torch.distributed rendezvous.
+    """
+    from arctic_rl_core.engines.distributed import standalone_env
+
+    proc = subprocess.run([sys.executable, "-m", module, "--worker", *args], capture_output=True, text=True,
+                          env=standalone_env())
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{module} worker {' '.join(args[:1])} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])

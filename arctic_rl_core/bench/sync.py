@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -41,22 +40,16 @@ def worker(model_dir: str, sync: str, placement: str, repeats: int) -> dict:
 def run(repeats: int) -> dict:
     import torch
 
-    from arctic_rl_core.engines.distributed import standalone_env
+    from arctic_rl_core.bench.measure import run_worker
     from arctic_rl_core.models.tiny import make_tiny_model
 
-    env = standalone_env()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden, layers in SIZES:
             model_dir = make_tiny_model("qwen3", os.path.join(tmp, f"h{hidden}"), hidden=hidden, layers=layers,
                                         heads=hidden // 64, kv_heads=max(1, hidden // 128), max_positions=512)
             for sync, placement in PATHS:
-                proc = subprocess.run([sys.executable, "-m", "arctic_rl_core.bench.sync", "--worker", model_dir, sync,
-                                       placement, str(repeats)], capture_output=True, text=True, env=env)
-                lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-                if proc.returncode != 0 or not lines:
-                    raise RuntimeError(f"{sync} worker failed:\n{proc.stderr[-4000:]}")
-                r = json.loads(lines[-1])
+                r = run_worker("arctic_rl_core.bench.sync", model_dir, sync, placement, str(repeats))
                 rows.append({
                     "hidden": hidden, "layers": layers, "params_mb": r["bytes"] / 2**20, "path": sync, "placement": placement,
                     "sync_s": r["sync_s"], "sync_gb_per_s": r["bytes"] / r["sync_s"] / 1e9,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 
@@ -104,7 +103,7 @@ def run(args: dict) -> dict:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from arctic_rl_core.engines.distributed import standalone_env
+    from arctic_rl_core.bench.measure import run_worker
     from arctic_rl_core.models.tiny import make_tiny_model
     from arctic_rl_core.zorro.cost import Shape, theoretical_speedup
 
@@ -114,17 +113,7 @@ def run(args: dict) -> dict:
             args["family"], os.path.join(tmp, "model"), layers=args["layers"], hidden=args["hidden"],
             heads=args["heads"], kv_heads=args["kv_heads"], max_positions=args["prompt_len"] + args["response_len"],
         )
-        results = {}
-        # Each worker is a world of one: it must not join this process's torch.distributed rendezvous.
-        env = standalone_env()
-        for mode in ("naive", "zorro"):
-            proc = subprocess.run(
-                [sys.executable, "-m", "arctic_rl_core.bench.zorro", "--worker", mode, json.dumps(args), tmp],
-                capture_output=True, text=True, env=env,
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"{mode} worker failed:\n{proc.stderr[-4000:]}")
-            results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+        results = {mode: run_worker("arctic_rl_core.bench.zorro", mode, json.dumps(args), tmp) for mode in ("naive", "zorro")}
         naive, zorro = load_file(os.path.join(tmp, "naive.safetensors")), load_file(os.path.join(tmp, "zorro.safetensors"))
         config = AutoConfig.from_pretrained(args["model_dir"])
     lp_n, lp_z = naive.pop("__logprobs__"), zorro.pop("__logprobs__")

@@ -51,8 +51,8 @@ def train_tokenizer(vocab_size: int = 512):
     )
 
 
-def tiny_config(family: Family, *, vocab_size: int, layers: int = 2, hidden: int = 64, heads: int = 4,
-                kv_heads: int = 2, intermediate: int | None = None, max_positions: int = 2048, eos_token_id: int = 0):
+def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int,
+                max_positions: int, eos_token_id: int, intermediate: int | None = None):
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
