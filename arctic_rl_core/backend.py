@@ -203,6 +203,11 @@ class InProcessBackend(TrainingAPI):
             self._synced_step = self.engine.steps
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
+    def set_zorro(self, enable: bool) -> None:
+        """Turn ZoRRo packing on or off for later calls (benchmarks compare both on one engine)."""
+        with self._train_lock:
+            self.config.zorro.enable = bool(enable)
+
     def state_digest(self) -> str:
         """Hash of all weights and optimizer state (for tests and for checking that a request changed nothing)."""
         with self._train_lock, self._weights_lock:

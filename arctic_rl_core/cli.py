@@ -73,6 +73,18 @@ def _cmd_bench_sync(args) -> int:
     return main(args)
 
 
+def _cmd_train(args) -> int:
+    from arctic_rl_core.recipes.run import main
+
+    return main(args)
+
+
+def _cmd_bench_e2e(args) -> int:
+    from arctic_rl_core.bench.e2e import main
+
+    return main(args)
+
+
 def _cmd_serve(args) -> int:
     from arctic_rl_core.server.run import main
 
@@ -104,16 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_tiny_model)
 
-    p = sub.add_parser("demo", help="a short GRPO loop on a tiny model through the in-process API")
-    p.add_argument("--model-dir", default=".cache/demo-model")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--learning-rate", type=float, default=2e-2)
-    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("demo", help="the tiny text2sql GRPO recipe end to end, then its ZoRRo and pipelining speed ratios")
+    p.add_argument("--recipe", default="text2sql_tiny", help="recipe file or bundled name")
+    p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--rounds", type=int, default=2, help="speed measurement: rounds over the four variants")
+    p.add_argument("--steps", type=int, default=3, help="speed measurement: steps per variant per round")
+    p.add_argument("overrides", nargs="*", help="recipe overrides, key.path=value")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("train", help="run a GRPO recipe: arctic-rl train RECIPE.yaml [key.path=value ...]")
+    p.add_argument("recipe", help="recipe YAML (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="VeRL-style overrides, e.g. grpo.steps=50 backend.url=http://host:7000")
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("serve", help="serve the training API over HTTP")
     p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs a token")
@@ -140,6 +154,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_sync.add_arguments(p)
     p.set_defaults(func=_cmd_bench_sync)
+    p = bench_sub.add_parser("e2e", help="seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async")
+    from arctic_rl_core.bench import e2e as bench_e2e
+
+    bench_e2e.add_arguments(p)
+    p.set_defaults(func=_cmd_bench_e2e)
     return parser
 
 

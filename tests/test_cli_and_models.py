@@ -1,4 +1,4 @@
-"""The `arctic-rl` console script, `doctor`, tiny models of each family, and the demo loop."""
+"""The `arctic-rl` console script, `doctor`, tiny models of each family."""
 
 import json
 import os
@@ -65,17 +65,3 @@ def test_backend_trains_other_families(tiny_models, make_backend, family):
     backend.step()
     assert backend.state_digest() != digest
     assert backend.sync_weights() == 1
-
-
-def test_demo_loop_raises_reward(tiny_model, make_backend):
-    from transformers import AutoTokenizer
-
-    from arctic_rl_core.demo import run_demo
-
-    backend = make_backend(learning_rate=2e-2)
-    history = run_demo(backend, AutoTokenizer.from_pretrained(tiny_model), steps=12, group_size=8, prompts_per_step=4,
-                       max_tokens=12, seed=0, log=lambda line: None)
-    assert [h["weight_version"] for h in history] == list(range(1, 13))
-    first = sum(h["reward"] for h in history[:3]) / 3
-    last = sum(h["reward"] for h in history[-3:]) / 3
-    assert last > first + 0.1, (first, last)

@@ -179,6 +179,8 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
         clip_frac=inputs.token_mean(clipped * mask),
         dual_clip_frac=inputs.token_mean(dual_clipped * mask),
         ratio_mean=inputs.token_mean(ratio * mask),
+        # How far the trained policy has moved from the proximal one (verl's ppo_kl).
+        ppo_kl=inputs.token_mean((prox - logp).detach() * mask),
         behav_capped_frac=inputs.token_mean(behav_capped),
         m2po_masked_frac=inputs.token_mean(m2_masked),
     )

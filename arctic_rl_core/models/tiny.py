@@ -27,8 +27,9 @@ question: answer: context: title: paragraph: reasoning step by step, the answer 
 """
 
 
-def train_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer in transformers' fast-tokenizer format."""
+def train_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
+    """A byte-level BPE tokenizer in transformers' fast-tokenizer format, trained on `corpus`
+    (default: a small built-in one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -41,8 +42,9 @@ def train_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    lines = [line for line in _CORPUS.strip().splitlines() if line.strip()]
-    tok.train_from_iterator(lines * 20, trainer=trainer)
+    if corpus is None:
+        corpus = [line for line in _CORPUS.strip().splitlines() if line.strip()] * 20
+    tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|endoftext|>",
@@ -78,7 +80,8 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
 
 
 def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: int = 64, heads: int = 2,
-                    kv_heads: int = 1, vocab_size: int = 512, max_positions: int = 2048, seed: int = 0) -> str:
+                    kv_heads: int = 1, vocab_size: int = 512, max_positions: int = 2048, seed: int = 0,
+                    corpus: list[str] | None = None) -> str:
     """Write a random-initialised model and its tokenizer to `out_dir`; return the directory.
 
     The default head size is 32: vLLM's CPU attention kernels support no smaller one.
@@ -90,7 +93,7 @@ def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: in
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
-    tokenizer = train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size, corpus)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = tiny_config(family, vocab_size=len(tokenizer), layers=layers, hidden=hidden, heads=heads,
                          kv_heads=kv_heads, max_positions=max_positions, eos_token_id=eos)

@@ -1,0 +1,1 @@
+"""GRPO recipes and their driver (`arctic-rl train`): text-to-SQL and multi-hop QA."""
