@@ -82,7 +82,9 @@ def main(args) -> int:
     from arctic_rl_core.recipes.run import quiet_libraries
 
     out = args.output_dir or tempfile.mkdtemp(prefix="arctic-rl-bench-e2e-")
+    # Every step trains on all its samples (no group is skipped), so all variants do the same work.
     overrides = [f"task.schema_rows={args.schema_rows}", f"sft.steps={args.sft_steps}", f"output_dir={out}",
+                 "grpo.skip_uniform_groups=false",
                  f"model.path={out}/model", "progress=false", *args.overrides]
     config = load_recipe(args.recipe, overrides)
     quiet_libraries()
