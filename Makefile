@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test clean
+.PHONY: install demo test compat clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q
+
+# Compatibility tests against the real frameworks, each in its own environment (compat_tests/).
+compat: install
+	compat_tests/verl/run.sh
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

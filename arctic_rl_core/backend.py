@@ -17,6 +17,7 @@ from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.validation import parse
 from arctic_rl_core.losses.registry import LOSSES, POST_PROCESSORS
 from arctic_rl_core.types import (
+    MODEL_SHAPE_KEYS,
     CheckpointInfo,
     Completion,
     FwdBwdResult,
@@ -53,6 +54,8 @@ class InProcessBackend(TrainingAPI):
         self._weights_lock = threading.Lock()
         # generate and sync_weights share the sampler's copy of the weights.
         self._sampler_lock = threading.Lock()
+        self.generated = {"calls": 0, "completions": 0, "tokens": 0}
+        """What the sampler produced so far (served by the server's status route)."""
 
     @property
     def weight_version(self) -> int:
@@ -115,7 +118,11 @@ class InProcessBackend(TrainingAPI):
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
         with self._sampler_lock:
-            return self.sampler.generate(prompts, params, self._weight_version)
+            completions = self.sampler.generate(prompts, params, self._weight_version)
+            self.generated["calls"] += 1
+            self.generated["completions"] += len(completions)
+            self.generated["tokens"] += sum(len(c.token_ids) for c in completions)
+            return completions
 
     def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0,
                   source: str = "trainer") -> LogProbsResult:
@@ -202,6 +209,18 @@ class InProcessBackend(TrainingAPI):
             self._weight_version = int(state.get("weight_version", 0)) + int(unpublished)
             self._synced_step = self.engine.steps
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
+
+    def describe(self) -> dict:
+        """The model's defining shape (for clients to check they use the same model), and counters."""
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(self.config.model_path).to_dict()
+        return {
+            "model": {key: hf.get(key) for key in MODEL_SHAPE_KEYS},
+            "optimizer_steps": self.engine.steps,
+            "weight_version": self._weight_version,
+            "generated": dict(self.generated),
+        }
 
     def set_zorro(self, enable: bool) -> None:
         """Turn ZoRRo packing on or off for later calls (benchmarks compare both on one engine)."""

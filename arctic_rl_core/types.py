@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from arctic_rl_core.errors import InvalidRequest
 
 
+MODEL_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "intermediate_size")
+"""The Hugging Face config fields that must agree between a framework's model and the backend's."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 

@@ -228,3 +228,16 @@ def test_serve_command_line(tiny_model, tmp_path):
         proc.kill()
     refused = subprocess.run([cli, "serve", "--host", "0.0.0.0", "--port", str(port)], env=env, capture_output=True, text=True)
     assert refused.returncode != 0 and "needs a token" in refused.stderr
+
+
+def test_status_reports_the_model_shape_and_what_was_generated(server, tiny_model):
+    from transformers import AutoConfig
+
+    client = ArcticRLClient(server, token=TOKEN)
+    before = client.status()["backend"]
+    hf = AutoConfig.from_pretrained(tiny_model)
+    assert before["model"]["vocab_size"] == hf.vocab_size and before["model"]["model_type"] == "qwen3"
+    assert before["generated"] == {"calls": 0, "completions": 0, "tokens": 0}
+    completions = client.generate([[5, 6, 7]], {"n": 3, "max_tokens": 4})
+    after = client.status()["backend"]["generated"]
+    assert after == {"calls": 1, "completions": 3, "tokens": sum(len(c.token_ids) for c in completions)}

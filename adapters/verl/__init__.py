@@ -1,1 +1,6 @@
-"""VeRL adapter (issue: verl 0.9.1 through its `verl.plugins` entry point). Not implemented yet."""
+"""VeRL adapter: verl 0.9.1 delegates actor training, log-probs and rollout to Arctic RL.
+
+Loaded by verl itself: `import verl` imports the `verl.plugins` entry point
+`arctic_rl = arctic_rl_adapters.verl.plugin` in every process. Nothing in verl is
+edited. See docs/verl.md.
+"""

@@ -165,6 +165,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
             "initialized": api is not None,
             "config": job.config.model_dump() if job.config else None,
             "weight_version": api.weight_version if api else None,
+            "backend": api.describe() if api is not None and hasattr(api, "describe") else None,
         }
 
     @app.post(f"{API_PREFIX}/initialize")

@@ -1,0 +1,88 @@
+"""Translating between verl's batches (TensorDict, jagged rows of prompt+response) and the training API.
+
+verl's engine contract puts log-probs in full-row layout: position t of a row holds
+log p(x[t+1] | x[..t]), so a response of length r after a prompt of length p sits at
+[p-1, p-1+r). The training API speaks response tokens only.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from arctic_rl_core.types import LossSpec, Sequence
+
+# verl's loss_agg_mode -> Arctic RL's GRPO aggregation (the same normalisations at one rank).
+AGGREGATION = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
+               "seq-mean-token-sum": "seq-mean-token-sum"}
+
+
+def _rows(tensor: torch.Tensor) -> list[torch.Tensor]:
+    return list(tensor.unbind()) if tensor.is_nested else list(tensor)
+
+
+def _response_rows(data: TensorDict, key: str) -> list[list[float]] | None:
+    if key not in data.keys():
+        return None
+    return [row.float().tolist() for row in _rows(data[key])]
+
+
+def sequences_from_batch(data: TensorDict) -> list[Sequence]:
+    """One `Sequence` per row: prompt and response ids, the GRPO group (`uid`), and the per-token
+    fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, mask)."""
+    prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
+    if not prompts[0].dim() == 1 or "attention_mask" in data.keys() and not data["prompts"].is_nested:
+        raise ValueError("arctic_rl expects verl's no-padding batches (jagged rows); padded batches are not supported")
+    uids = list(data["uid"]) if "uid" in data.keys() else [None] * len(prompts)
+    mask = _response_rows(data, "response_mask")
+    advantages = _response_rows(data, "advantages")
+    old = _response_rows(data, "old_log_probs")
+    return [
+        Sequence(
+            prompt_ids=p.tolist(), response_ids=r.tolist(), group_id=None if uid is None else str(uid),
+            loss_mask=None if mask is None else mask[i],
+            advantages=None if advantages is None else advantages[i],
+            behaviour_logprobs=None if old is None else old[i],
+        )
+        for i, (p, r, uid) in enumerate(zip(prompts, responses, uids))
+    ]
+
+
+def full_row_layout(per_response: list[list[float]], data: TensorDict) -> torch.Tensor:
+    """Response log-probs (or entropies) placed where verl reads them in a jagged full-row tensor."""
+    rows = []
+    for values, p, r in zip(per_response, _rows(data["prompts"]), _rows(data["responses"])):
+        row = torch.zeros(len(p) + len(r), dtype=torch.float32)
+        row[len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(values, dtype=torch.float32)
+        rows.append(row)
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def batch_temperature(data: TensorDict) -> float:
+    value = data["temperature"] if "temperature" in data.keys() else 1.0
+    if isinstance(value, torch.Tensor):
+        distinct = value.float().unique()
+        if distinct.numel() != 1:
+            raise ValueError("arctic_rl needs one sampling temperature per batch")
+        return float(distinct.item())
+    return float(value)
+
+
+def loss_spec(actor_config, temperature: float) -> LossSpec:
+    """Arctic RL's GRPO loss with the settings of verl's vanilla PPO policy loss."""
+    mode = actor_config.policy_loss.loss_mode
+    if mode != "vanilla":
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: arctic_rl serves 'vanilla' "
+                         "(PPO clip with dual clip, verl's default for GRPO)")
+    agg = AGGREGATION.get(actor_config.loss_agg_mode)
+    if agg is None:
+        raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={actor_config.loss_agg_mode!r} is not supported; "
+                         f"use one of {', '.join(AGGREGATION)}")
+    if actor_config.use_kl_loss:
+        raise ValueError("actor_rollout_ref.actor.use_kl_loss=True needs a reference model, which arctic_rl does not serve")
+    low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
+    high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
+    config = {"eps_clip": low, "eps_clip_higher": high, "c_clip": actor_config.clip_ratio_c,
+              "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff}
+    post = [{"name": "apply_temperature", "config": {"temperature": temperature}}] if temperature != 1.0 else []
+    return LossSpec(name="grpo", config=config, post=post)

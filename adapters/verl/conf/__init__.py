@@ -1,0 +1,1 @@
+"""The adapter's Hydra configs (found through the search-path plugin)."""

@@ -1,0 +1,159 @@
+"""verl's own TrainingWorker (verl.workers.engine_workers) driving the `arctic_rl` engine.
+
+verl's worker computes log-probs (its `compute_log_prob` path) and runs an actor update
+(`train_mini_batch`, with verl's `ppo_loss`) through our engine, which calls the Arctic RL
+server. Checked: the log-probs are the backend's; the policy-loss metrics verl reports equal
+verl's own loss code on the same inputs; the backend's GRPO loss equals verl's; the weights
+change; GRPO groups reach the backend whole.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import pytest
+import torch
+
+for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+    os.environ.setdefault(key, value)
+
+import verl  # noqa: E402,F401  (loads the arctic_rl plugin through verl's entry point)
+from tensordict import NonTensorStack, TensorDict  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import ActorConfig, HFModelConfig, OptimizerConfig, TrainingWorkerConfig  # noqa: E402
+from verl.workers.engine_workers import TrainingWorker  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from arctic_rl_adapters.verl.batch import full_row_layout  # noqa: E402
+from arctic_rl_adapters.verl.config import ArcticEngineConfig  # noqa: E402
+from arctic_rl_adapters.verl.connect import ArcticSetupError  # noqa: E402
+from arctic_rl_core.types import Sequence  # noqa: E402
+
+from conftest import free_port, make_model  # noqa: E402
+
+GROUPS, G = 3, 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def rendezvous():
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def worker_for(model_path: str, url: str) -> TrainingWorker:
+    engine = ArcticEngineConfig(url=url, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
+                                infer_micro_batch_size_per_gpu=4)
+    config = TrainingWorkerConfig(model_type="language_model", model_config=HFModelConfig(path=model_path, use_remove_padding=True),
+                                  engine_config=engine, optimizer_config=OptimizerConfig(lr=1e-2, clip_grad=1.0),
+                                  checkpoint_config=CheckpointConfig())
+    worker = TrainingWorker(config=config)
+    worker.reset()
+    return worker
+
+
+def grpo_batch(tokenizer) -> TensorDict:
+    """GROUPS prompts x G responses in verl's no-padding layout, groups interleaved (as verl may order them)."""
+    torch.manual_seed(0)
+    rows = []
+    for s in range(G):
+        for g in range(GROUPS):
+            prompt = torch.tensor(tokenizer.encode(f"question {g}: what is {g} plus {g + 1}? answer:"))
+            response = torch.randint(5, len(tokenizer), (3 + s + g,))
+            rows.append(dict(prompts=prompt, responses=response, input_ids=torch.cat([prompt, response]),
+                             position_ids=torch.arange(len(prompt) + len(response)),
+                             response_mask=torch.ones(len(response), dtype=torch.int64), uid=f"uid-{g}"))
+    nested = lambda key: torch.nested.as_nested_tensor([r[key] for r in rows], layout=torch.jagged)  # noqa: E731
+    td = TensorDict({k: nested(k) for k in ("prompts", "responses", "input_ids", "position_ids", "response_mask")},
+                    batch_size=[len(rows)])
+    td["loss_mask"] = nested("response_mask")
+    td["uid"] = NonTensorStack(*[r["uid"] for r in rows])
+    tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, compute_loss=False)
+    return td
+
+
+def as_float(value) -> float:
+    """A metric as verl reports it (a float, a one-element list, a tensor or a verl Metric)."""
+    if isinstance(value, list):
+        assert len(value) == 1, value
+        return as_float(value[0])
+    if hasattr(value, "aggregate"):
+        return float(value.aggregate())
+    return float(value)
+
+
+def response_nested(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    worker = worker_for(tiny_model, server)
+    actor = ActorConfig(strategy="arctic_rl", rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
+                        clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=False)
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    td = grpo_batch(tokenizer)
+    sequences = [Sequence(prompt_ids=p.tolist(), response_ids=r.tolist())
+                 for p, r in zip(td["prompts"].unbind(), td["responses"].unbind())]
+
+    # compute_log_prob: verl's worker -> our engine -> the server's trainer.
+    out = worker.infer_batch(td.clone())
+    expected = client.log_probs(sequences, with_entropy=True)
+    got = out["log_probs"]
+    for row, exp, p, r in zip(got.unbind(), expected.logprobs, td["prompts"].unbind(), td["responses"].unbind()):
+        assert torch.allclose(row[len(p) - 1 : len(p) - 1 + len(r)], torch.tensor(exp), atol=1e-6)
+    assert out["entropy"].is_nested
+
+    # update_actor inputs: stale old log-probs (so ratios spread over the clip range) and mixed-sign advantages.
+    old = [torch.tensor(lp) + torch.linspace(-0.4, 0.4, len(lp)) for lp in expected.logprobs]
+    advantages = [torch.full((len(lp),), float(a)) for lp, a in zip(expected.logprobs, torch.linspace(-1.5, 1.5, len(old)))]
+    td["old_log_probs"] = response_nested(old)
+    td["advantages"] = response_nested(advantages)
+    tu.pop(td, "compute_loss")
+    tu.assign_non_tensor(td, global_batch_size=len(old), mini_batch_size=len(old), epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
+
+    # verl's own loss code on the same inputs, with the backend's current log-probs.
+    reference = td.clone()
+    tu.assign_non_tensor(reference, batch_num_tokens=float(reference["loss_mask"].sum()), dp_size=1)
+    verl_loss, verl_metrics = ppo_loss(actor, model_output={"log_probs": full_row_layout(expected.logprobs, reference)},
+                                       data=reference)
+
+    digest = client.state_digest()
+    metrics = tu.get(worker.train_mini_batch(td), "metrics")
+    value = lambda key: as_float(metrics[key])  # noqa: E731
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert value(key) == pytest.approx(as_float(verl_metrics[key]), rel=1e-5, abs=1e-7), key
+    assert 0 < value("actor/pg_clipfrac") < 1  # the clip range was exercised
+    # Arctic RL's GRPO loss (what the backend differentiated) equals verl's vanilla PPO loss.
+    assert value("arctic/loss") == pytest.approx(float(verl_loss), rel=1e-5, abs=1e-7)
+    assert value("arctic/groups") == GROUPS  # every group arrived whole, in one fwd_bwd call
+    assert value("grad_norm") > 0
+    assert client.state_digest() != digest  # the backend's weights changed
+    after = client.log_probs(sequences).logprobs
+    assert max(abs(a - b) for x, y in zip(after, expected.logprobs) for a, b in zip(x, y)) > 1e-4
+
+
+def test_misconfiguration_fails_at_start_up_saying_what_to_fix(tiny_model, server, tmp_path):
+    with pytest.raises(ArcticSetupError, match="no Arctic RL server answers at http://127.0.0.1:9 .*actor_rollout_ref.actor.arctic.url"):
+        worker_for(tiny_model, "http://127.0.0.1:9")
+    other = make_model(str(tmp_path / "other"), hidden=128)
+    with pytest.raises(ArcticSetupError, match="actor_rollout_ref.model.path is not the model .*hidden_size: verl 128 vs server 64"):
+        worker_for(other, server)
+    with pytest.raises(ArcticSetupError, match="actor_rollout_ref.actor.arctic.url is not set"):
+        worker_for(tiny_model, None)
+
+
+def test_the_cpu_process_group_patch_is_recorded_and_refuses_to_patch_twice():
+    import verl.utils.distributed as verl_distributed
+
+    from arctic_rl_adapters.verl.patches import APPLIED
+    from arctic_rl_adapters.verl.plugin import cpu_process_group_patch
+
+    patch = APPLIED["verl.utils.distributed.initialize_global_process_group_ray"]
+    assert verl_distributed.initialize_global_process_group_ray is not patch.original
+    assert "gloo" in patch.reason
+    with pytest.raises(RuntimeError, match="already patched"):
+        cpu_process_group_patch().apply()
