@@ -39,8 +39,8 @@ def test_grpo_raises_held_out_execution_accuracy_over_the_sft_start(trained):
     tmp_path, proc = trained
     summary = json.load(open(tmp_path / "run" / "summary.json"))
     assert summary["accuracy_after_sft"] > summary["accuracy_start"]
-    # Fixed seed; 50 of the recipe's 150 GRPO steps (the full run: see docs/benchmarks.md).
-    assert summary["accuracy_final"] >= summary["accuracy_after_sft"] + 0.02, summary
+    # Fixed seed; 50 of the recipe's 150 GRPO steps (measured: 25.5% -> 35.5%; the full run: docs/benchmarks.md).
+    assert summary["accuracy_final"] >= summary["accuracy_after_sft"] + 0.05, summary
     assert "held-out accuracy" in proc.stdout
 
 
