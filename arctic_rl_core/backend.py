@@ -17,7 +17,6 @@ from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.validation import parse
 from arctic_rl_core.losses.registry import LOSSES, POST_PROCESSORS
 from arctic_rl_core.types import (
-    MODEL_SHAPE_KEYS,
     CheckpointInfo,
     Completion,
     FwdBwdResult,
@@ -27,6 +26,7 @@ from arctic_rl_core.types import (
     SamplingParams,
     Sequence,
     StepResult,
+    model_shape,
 )
 from arctic_rl_plugins.manager import get_plugin_manager
 
@@ -214,9 +214,8 @@ class InProcessBackend(TrainingAPI):
         """The model's defining shape (for clients to check they use the same model), and counters."""
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(self.config.model_path).to_dict()
         return {
-            "model": {key: hf.get(key) for key in MODEL_SHAPE_KEYS},
+            "model": model_shape(AutoConfig.from_pretrained(self.config.model_path).to_dict()),
             "optimizer_steps": self.engine.steps,
             "weight_version": self._weight_version,
             "generated": dict(self.generated),

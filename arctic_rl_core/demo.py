@@ -25,8 +25,6 @@ def main(args) -> int:
     try:
         summary = run.run()
         print("measuring seconds per GRPO step: ZoRRo on/off x synchronous/pipelined, same backend ...")
-        # Every measured step trains on all its samples, so the variants do the same work.
-        run.config.grpo.skip_uniform_groups = False
         speed = measure_variants(run, VARIANTS, rounds=args.rounds, steps=args.steps, first_step=config.grpo.steps + 1)
     finally:
         run.close()

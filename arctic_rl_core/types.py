@@ -20,6 +20,11 @@ MODEL_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layer
 """The Hugging Face config fields that must agree between a framework's model and the backend's."""
 
 
+def model_shape(hf_config: dict) -> dict:
+    """The defining shape of a model, from its Hugging Face config as a dict."""
+    return {key: hf_config.get(key) for key in MODEL_SHAPE_KEYS}
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False)
 

@@ -6,7 +6,7 @@ import os
 
 from arctic_rl_core.client import ArcticRLClient
 from arctic_rl_core.errors import ArcticRLError, BackendUnavailable
-from arctic_rl_core.types import MODEL_SHAPE_KEYS
+from arctic_rl_core.types import MODEL_SHAPE_KEYS, model_shape
 
 URL_KEY = "actor_rollout_ref.actor.arctic.url"
 
@@ -15,9 +15,9 @@ class ArcticSetupError(RuntimeError):
     """The adapter cannot work with this configuration; the message says what to change."""
 
 
-def model_shape(hf_config) -> dict:
-    values = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-    return {key: values.get(key) for key in MODEL_SHAPE_KEYS}
+def client_for(url: str, token_env: str, timeout_s: float, retries: int = 3) -> ArcticRLClient:
+    """A client for the server at `url`, with the bearer token from environment variable `token_env`."""
+    return ArcticRLClient(url, token=os.environ.get(token_env), timeout_s=timeout_s, retries=retries)
 
 
 def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
@@ -25,7 +25,7 @@ def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
     for the same model verl loaded."""
     if not arctic.url:
         raise ArcticSetupError(f"{URL_KEY} is not set: give the address of an `arctic-rl serve`")
-    client = ArcticRLClient(arctic.url, token=os.environ.get(arctic.token_env), timeout_s=arctic.timeout_s, retries=1)
+    client = client_for(arctic.url, arctic.token_env, arctic.timeout_s, retries=1)
     try:
         status = client.status()
     except BackendUnavailable as err:
@@ -50,7 +50,7 @@ def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
                                    "(see actor_rollout_ref.actor.arctic.job / .model_path)") from None
         status = client.status()
     served = status["backend"]["model"]
-    ours = model_shape(model_config.hf_config)
+    ours = model_shape(model_config.hf_config.to_dict())
     differing = {k: (ours[k], served.get(k)) for k in MODEL_SHAPE_KEYS if ours[k] != served.get(k)}
     if differing:
         detail = ", ".join(f"{k}: verl {a!r} vs server {b!r}" for k, (a, b) in differing.items())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,7 +23,7 @@ from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
-from arctic_rl_adapters.verl.connect import URL_KEY, ArcticSetupError
+from arctic_rl_adapters.verl.connect import URL_KEY, ArcticSetupError, client_for
 from arctic_rl_core.client import ArcticRLClient
 from arctic_rl_core.types import SamplingParams
 
@@ -51,7 +50,7 @@ class RolloutSettings:
                    timeout_s=float(arctic.get("timeout_s", cls.timeout_s)))
 
     def client(self) -> ArcticRLClient:
-        return ArcticRLClient(self.url, token=os.environ.get(self.token_env), timeout_s=self.timeout_s)
+        return client_for(self.url, self.token_env, self.timeout_s)
 
 
 def to_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:

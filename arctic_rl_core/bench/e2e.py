@@ -4,7 +4,8 @@ Variants differ in ZoRRo (on/off) and pipelining (`max_staleness` 0 or 1); they
 share one process, one backend (one engine, one vLLM) and the same seed and
 shapes. Rounds interleave the variants so that machine noise and the slow drift
 of the policy (response lengths) fall on all of them alike; the first step of
-each segment fills the pipeline and is not counted. Reported: median seconds per
+each segment fills the pipeline and is not counted. Every measured step trains on all its
+samples (no group is skipped for uniform rewards), so the variants do equal work. Reported: median seconds per
 step and per phase, and ratios against naive+sync.
 """
 
@@ -38,7 +39,7 @@ def measure_variants(run: RecipeRun, variants=VARIANTS, *, rounds: int, steps: i
                     timer = PhaseTimer()
                     with timer("generate"):
                         batch = pipe.next_batch()
-                    run.grpo_step(step + i, batch, timer)
+                    run.grpo_step(step + i, batch, timer, train_all=True)
                     if i:  # step 0 fills the pipeline
                         times[variant.label].append(time.perf_counter() - t0)
                         phases[variant.label].append(timer.seconds)
@@ -82,9 +83,7 @@ def main(args) -> int:
     from arctic_rl_core.recipes.run import quiet_libraries
 
     out = args.output_dir or tempfile.mkdtemp(prefix="arctic-rl-bench-e2e-")
-    # Every step trains on all its samples (no group is skipped), so all variants do the same work.
     overrides = [f"task.schema_rows={args.schema_rows}", f"sft.steps={args.sft_steps}", f"output_dir={out}",
-                 "grpo.skip_uniform_groups=false",
                  f"model.path={out}/model", "progress=false", *args.overrides]
     config = load_recipe(args.recipe, overrides)
     quiet_libraries()

@@ -143,7 +143,7 @@ class RecipeRun:
         self.log(f"building a tiny {t.family} model in {spec.path} (tokenizer trained on the training texts)")
         return make_tiny_model(t.family, spec.path, layers=t.layers, hidden=t.hidden, heads=t.heads, kv_heads=t.kv_heads,
                                vocab_size=t.vocab_size, max_positions=t.max_positions, seed=t.seed,
-                               corpus=self.task.corpus())
+                               corpus=[e.prompt + e.reference for e in self.train_examples])
 
     def _tokenize(self, examples: list[Example], split: str) -> tuple[list[list[int]], list[Example]]:
         from transformers import AutoConfig
@@ -226,12 +226,12 @@ class RecipeRun:
     def pipeline(self, first_step: int, max_staleness: int) -> RolloutPipeline:
         g = self.config.grpo
         sampling = SamplingParams(n=g.group_size, temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens)
-        pipe = RolloutPipeline(self.api, lambda s: [self.train_prompts[i] for i in self.prompt_indices(first_step + s)],
+        return RolloutPipeline(self.api, lambda s: [self.train_prompts[i] for i in self.prompt_indices(first_step + s)],
                                sampling, max_staleness=max_staleness)
-        return pipe
 
-    def grpo_step(self, step: int, batch: RolloutBatch, timer: PhaseTimer) -> dict:
-        """Score one step's rollouts, compute group advantages and train on them."""
+    def grpo_step(self, step: int, batch: RolloutBatch, timer: PhaseTimer, *, train_all: bool = False) -> dict:
+        """Score one step's rollouts, compute group advantages and train on them
+        (`train_all`: every sample, even of groups with one reward, so timed steps do equal work)."""
         g = self.config.grpo
         indices = self.prompt_indices(step)
         completions = batch.completions
@@ -244,7 +244,7 @@ class RecipeRun:
         sequences, uniform = [], 0
         for p, members in by_prompt.items():
             rewards = [scored.scores[j].reward for j in members]
-            if len(members) < 2 or (g.skip_uniform_groups and max(rewards) == min(rewards)):
+            if len(members) < 2 or (g.skip_uniform_groups and not train_all and max(rewards) == min(rewards)):
                 uniform += 1
                 continue
             for j, adv in zip(members, group_advantages(rewards, g.normalize_std)):

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from arctic_rl_core.errors import InvalidRequest
+
 
 @dataclass(frozen=True)
 class Example:
@@ -36,5 +38,9 @@ class Task(Protocol):
     def load(self, split: str) -> list[Example]:
         """The examples of split `train` or `eval`; raises `InvalidRequest` naming the bad field or file."""
 
-    def corpus(self) -> list[str]:
-        """Texts to train a tiny model's tokenizer on (built only when the recipe asks for a tiny model)."""
+
+def require_paths(config, names: tuple[str, ...]) -> None:
+    """Each of `task.<name>` must be set, unless the task generates a synthetic set."""
+    for name in names:
+        if getattr(config, name) is None:
+            raise InvalidRequest(f"task.{name}", "is required (or set task.synthetic to generate a data set)")

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.recipes.data_files import read_json_records
 from arctic_rl_core.recipes.multihop.synthetic import SyntheticQAConfig, generate_multihop
-from arctic_rl_core.recipes.task import Example, Score
+from arctic_rl_core.recipes.task import Example, Score, require_paths
 
 Format = Literal["hotpotqa", "musique", "2wikimultihopqa"]
 # Record keys each format must hold: (id, question, answer, paragraphs).
@@ -88,9 +88,7 @@ class MultihopTask:
         if config.synthetic is not None:
             paths = generate_multihop(os.path.join(output_dir, "data"), config.synthetic)
             config = config.model_copy(update={"format": "hotpotqa", **paths})
-        for name in ("train", "eval"):
-            if getattr(config, name) is None:
-                raise InvalidRequest(f"task.{name}", "is required (or set task.synthetic to generate a data set)")
+        require_paths(config, ("train", "eval"))
         self.config = config
 
     def load(self, split: str) -> list[Example]:
@@ -117,6 +115,3 @@ class MultihopTask:
         if not examples:
             raise InvalidRequest(field, "holds no answerable examples")
         return examples
-
-    def corpus(self) -> list[str]:
-        return [e.prompt + e.reference for e in self.load("train")]

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.recipes.data_files import read_json_records
-from arctic_rl_core.recipes.task import Example, Score
+from arctic_rl_core.recipes.task import Example, Score, require_paths
 from arctic_rl_core.recipes.text2sql.execution import SQLExecutionError, execute, results_match, schema_ddl
 from arctic_rl_core.recipes.text2sql.synthetic import SyntheticSQLConfig, generate_text2sql
 
@@ -81,9 +81,7 @@ class Text2SQLTask:
         if config.synthetic is not None:
             paths = generate_text2sql(os.path.join(output_dir, "data"), config.synthetic)
             config = config.model_copy(update={"train": paths["train"], "eval": paths["eval"], "db_root": paths["db_root"]})
-        for name in ("train", "eval", "db_root"):
-            if getattr(config, name) is None:
-                raise InvalidRequest(f"task.{name}", "is required (or set task.synthetic to generate a data set)")
+        require_paths(config, ("train", "eval", "db_root"))
         self.config = config
 
     def _db_root(self, split: str) -> tuple[str, str]:
@@ -116,6 +114,3 @@ class Text2SQLTask:
                              "max_rows": self.config.max_rows},
             ))
         return examples
-
-    def corpus(self) -> list[str]:
-        return [e.prompt + e.reference for e in self.load("train")]
