@@ -219,6 +219,7 @@ class InProcessBackend(TrainingAPI):
             "optimizer_steps": self.engine.steps,
             "weight_version": self._weight_version,
             "generated": dict(self.generated),
+            "sync_route": self.sampler.sync_route,
         }
 
     def set_zorro(self, enable: bool) -> None:

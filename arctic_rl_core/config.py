@@ -57,14 +57,19 @@ class SamplerConfig(_Config):
     placement: Literal["in_process", "subprocess"] = "in_process"
     """vLLM's engine in this process (colocated), or in its own process (disaggregated)."""
     sync: Literal["shared_memory", "broadcast", "file"] = "shared_memory"
-    """How `sync_weights` moves weights: the trainer's tensors handed over in process; a bucketed
-    torch.distributed broadcast (gloo on CPU, NCCL on GPU) to an engine in another process;
-    or safetensors files."""
+    """How `sync_weights` moves weights. `shared_memory`: in process, the trainer's tensors are handed over;
+    to a vLLM subprocess on a CPU host, buckets go through two shared-memory slots. `broadcast`: a bucketed
+    torch.distributed broadcast (gloo on CPU, NCCL on GPU) to an engine in another process or machine.
+    `file`: safetensors files."""
     sync_dir: str | None = None
     """Where the file path writes (default: a temporary directory)."""
     sync_host: str = "127.0.0.1"
     """Address the vLLM worker uses to reach the trainer for the broadcast path."""
     bucket_mb: float = Field(64, gt=0)
+    cpu_weight_layout: Literal["plain", "packed"] = "plain"
+    """vLLM-CPU only. `plain` keeps linear weights as loaded (F.linear), so a sync writes them in place;
+    `packed` is vLLM's own default (oneDNN's blocked layout): faster decoding of small batches, but every
+    sync must rebuild and repack the weights. docs/sampler.md compares both."""
     max_model_len: int | None = None
     """Defaults to the model's context."""
     kv_cache_mb: int = Field(512, ge=16)

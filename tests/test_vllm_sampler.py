@@ -24,14 +24,19 @@ def run_scenario(*args, timeout=300):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-@pytest.mark.parametrize("sync, placement", [
-    ("shared_memory", "in_process"),
-    ("file", "in_process"),
-    ("broadcast", "subprocess"),
-    ("file", "subprocess"),
+@pytest.mark.parametrize("sync, placement, layout, route", [
+    ("shared_memory", "in_process", "packed", "worker_reload"),  # the worker reloads the trainer's tensors; vLLM repacks
+    ("shared_memory", "in_process", "plain", "direct"),  # the trainer writes straight into vLLM's tensors
+    ("shared_memory", "subprocess", "plain", "direct"),  # ... which live in a shared-memory file
+    ("shared_memory", "subprocess", "packed", "buckets"),  # through two shared-memory slots
+    ("broadcast", "subprocess", "packed", "buckets"),
+    ("broadcast", "subprocess", "plain", "buckets"),  # loaded in place by vLLM's load_weights
+    ("file", "in_process", "packed", "file"),
+    ("file", "subprocess", "packed", "file"),
 ])
-def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement):
-    result = run_scenario("sync", tiny_model, sync, placement)
+def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, route):
+    result = run_scenario("sync", tiny_model, sync, placement, layout)
+    assert result["sync_route"] == route
     assert result["initial_err"] <= 1e-3  # same weights at start
     assert result["stale_err"] > 1e-2  # after a step, before the sync, they differ
     assert result["synced_err"] <= 1e-3  # after the sync the sampler computes what the trainer does
@@ -39,6 +44,12 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement):
     assert result["weight_mb"] > 0.3  # several 0.1 MB buckets
     assert result["version"] == 2 and result["completion_versions"] == [2]
     assert result["behaviour_err"] <= 1e-3  # sampled log-probs are usable as behaviour log-probs
+    assert result["shared_memory_files"] == []  # each is unlinked once both sides have it mapped
+    if placement == "in_process":
+        # plain: multiplied with F.linear on tensors that syncs overwrite; packed: vLLM's oneDNN kernels
+        assert result["plain_linear"] == (layout == "plain")
+        if layout == "plain":
+            assert result["written_in_place"]
 
 
 def test_generate_does_not_wait_for_a_running_fwd_bwd(tiny_model):

@@ -2,33 +2,46 @@
 
 One backend per process, as deployed: an in-process vLLM engine tears down the
 process's torch.distributed state when it shuts down.
-Usage: python -m tests.vllm_scenarios SCENARIO MODEL_DIR [SYNC PLACEMENT]; prints one JSON line.
+Usage: python -m tests.vllm_scenarios SCENARIO MODEL_DIR [SYNC PLACEMENT LAYOUT]; prints one JSON line.
 """
 
 import json
+import os
 import sys
 import threading
 import time
 
 
-def backend(model_dir, sync="shared_memory", placement="in_process"):
+def backend(model_dir, sync="shared_memory", placement="in_process", layout="plain"):
     from arctic_rl_core.backend import InProcessBackend
 
-    # 0.1 MB buckets: the tiny model's weights then travel in several (the broadcast path reuses its buffers).
+    # 0.1 MB buckets: the tiny model's weights then travel in several (the bucketed paths reuse their buffers).
     return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2},
                              "sampler": {"name": "vllm", "sync": sync, "placement": placement, "kv_cache_mb": 64,
-                                         "bucket_mb": 0.1}})
+                                         "bucket_mb": 0.1, "cpu_weight_layout": layout}})
 
 
 def max_err(a, b):
     return max(abs(x - y) for r, q in zip(a, b) for x, y in zip(r, q))
 
 
-def sync(model_dir, sync_path, placement):
+def _sampler_weights(worker):
+    """Where the in-process engine's weights live, and whether each linear layer multiplies with F.linear."""
+    import torch
+
+    model = worker.model_runner.get_model()
+    return ({name: p.data_ptr() for name, p in model.named_parameters()},
+            all(m.cpu_linear is torch.nn.functional.linear for m in model.modules() if hasattr(m, "cpu_linear")))
+
+
+def sync(model_dir, sync_path, placement, layout):
     from arctic_rl_core.types import Sequence
     from tests.helpers import grpo_batch
 
-    api = backend(model_dir, sync_path, placement)
+    api = backend(model_dir, sync_path, placement, layout)
+    in_process = placement == "in_process"
+    if in_process:
+        [(storage_before, _)] = api.sampler.llm.collective_rpc(_sampler_weights)
     batch = grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6)
     fixed = [Sequence(prompt_ids=s.prompt_ids, response_ids=s.response_ids) for s in batch]
     result = {"initial_err": max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)}
@@ -44,6 +57,12 @@ def sync(model_dir, sync_path, placement):
     api.step()
     result["version"] = api.sync_weights()
     result["second_synced_err"] = max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)
+    if in_process:
+        [(storage_after, plain)] = api.sampler.llm.collective_rpc(_sampler_weights)
+        result["written_in_place"] = storage_after == storage_before
+        result["plain_linear"] = plain
+    result["sync_route"] = api.describe()["sync_route"]
+    result["shared_memory_files"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("arctic-rl-sync-"))
     completions = api.generate([batch[0].prompt_ids], {"n": 4, "max_tokens": 6, "temperature": 0.8, "seed": 3})
     scored = api.log_probs(
         [Sequence(prompt_ids=batch[0].prompt_ids, response_ids=c.token_ids) for c in completions],

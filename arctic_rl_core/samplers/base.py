@@ -12,6 +12,8 @@ from arctic_rl_core.types import Completion, SamplingParams
 
 class Sampler(ABC):
     max_context: int
+    sync_route: str
+    """How `load_weights` moves weights (reported by `status`)."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int) -> list[Completion]: ...

@@ -16,6 +16,8 @@ from arctic_rl_core.types import Completion, SamplingParams
 
 
 class TransformersSampler(Sampler):
+    sync_route = "direct"  # copies into its own model's parameters
+
     def __init__(self, config: BackendConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -9,6 +9,7 @@ which is what the trainer computes with the `apply_temperature` post-processor.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +22,12 @@ from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.samplers.base import Sampler
-from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
+from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
+from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, unlink_shared
+from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
 from arctic_rl_core.types import Completion, SamplingParams
+
+log = logging.getLogger("arctic_rl.sampler")
 
 _EXTENSION = "arctic_rl_core.samplers.vllm_worker.WeightSyncExtension"
 _SYNC_TIMEOUT_S = 600
@@ -52,10 +57,13 @@ class VLLMSampler(Sampler):
         from vllm import LLM
 
         sc = config.sampler
-        if sc.sync == "shared_memory" and sc.placement != "in_process":
-            raise InvalidRequest("sampler.sync", "shared_memory needs sampler.placement=in_process; use broadcast or file")
         self.config = sc
         self.cuda = torch.cuda.is_available()
+        self._model_path = config.model_path
+        # Between processes, shared memory is host memory; GPUs are served by broadcast (NCCL).
+        self._buckets = sc.sync == "broadcast" or sc.sync == "shared_memory" and sc.placement == "subprocess"
+        if self._buckets and sc.sync == "shared_memory" and self.cuda:
+            raise InvalidRequest("sampler.sync", "shared_memory to a vLLM subprocess is for CPU hosts; on GPUs use broadcast")
         hf = AutoConfig.from_pretrained(config.model_path)
         self.max_context = sc.max_model_len or hf.max_position_embeddings
         memory = {"gpu_memory_utilization": sc.gpu_memory_utilization} if self.cuda else {"kv_cache_memory_bytes": sc.kv_cache_mb * 2**20}
@@ -63,6 +71,8 @@ class VLLMSampler(Sampler):
         # prefilled in chunks; prefilling whole prompts avoids it.
         cpu_only = {} if self.cuda else {"enable_chunked_prefill": False,
                                          "max_num_batched_tokens": max(self.max_context, 8192)}
+        if not self.cuda and sc.cpu_weight_layout == "plain":
+            cpu_only["load_format"] = PLAIN_WEIGHTS_LOAD_FORMAT
         with _engine_in_this_process(sc.placement == "in_process"):
             self.llm = LLM(
                 model=config.model_path,
@@ -81,8 +91,11 @@ class VLLMSampler(Sampler):
         self._group = None
         # The worker's side of a broadcast is an RPC that must run while this thread broadcasts.
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="arctic-rl-vllm-rpc")
-        if sc.sync == "broadcast":
-            self._join_broadcast_group()
+        if self._buckets:
+            self._join_sync_group()
+        self._direct = self._expose_weights() if sc.sync == "shared_memory" else None
+        self.sync_route = ("direct" if self._direct is not None else "buckets" if self._buckets
+                           else "worker_reload" if sc.sync == "shared_memory" else "file")
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -126,13 +139,53 @@ class VLLMSampler(Sampler):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        if self.config.sync == "shared_memory":
-            [count] = self.llm.collective_rpc("arctic_load_weights", args=(weights,))
-        elif self.config.sync == "file":
-            count = self._sync_file(weights)
+    def _expose_weights(self) -> dict[str, torch.Tensor] | None:
+        """Views of vLLM's weights, one per checkpoint tensor, that a sync writes straight into; None where
+        vLLM must load them itself (packed layout, quantization, names or shapes it maps otherwise)."""
+        shared = self.config.placement == "subprocess"
+        [exposed] = self.llm.collective_rpc("arctic_expose_weights", args=(shared,))
+        if exposed is None:
+            return None
+        if shared:
+            flat = map_shared(exposed["path"])
+            unlink_shared(exposed["path"])  # both sides have it mapped
+            tensors = {}
+            for name, (offset, dtype, shape) in exposed["params"].items():
+                dt = getattr(torch, dtype)
+                tensors[name] = flat[offset : offset + torch.Size(shape).numel() * dt.itemsize].view(dt).view(shape)
         else:
-            count = self._sync_broadcast(weights)
+            tensors = exposed["tensors"]
+        try:
+            placement = place(checkpoint_shapes(self._model_path), {n: tuple(t.shape) for n, t in tensors.items()},
+                              exposed["packed"])
+        except PlacementError as err:
+            log.warning("sync_weights goes through vLLM's load_weights: %s", err)
+            return None
+        return destinations(placement, tensors)
+
+    def _write_direct(self, weights) -> int:
+        """Each trainer tensor is copied into its place in vLLM's weights; nothing else runs."""
+        written = set()
+        for name, tensor in weights:
+            dest = self._direct.get(name)
+            if dest is None or dest.shape != tensor.shape:
+                raise ArcticRLError(f"sync_weights: the trainer's {name} {list(tensor.shape)} has no place in "
+                                    "vLLM's model")
+            dest.copy_(tensor)
+            written.add(name)
+        if len(written) != len(self._direct):
+            raise ArcticRLError(f"sync_weights: the trainer sent no {sorted(set(self._direct) - written)[:5]}")
+        return len(written)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self._direct is not None:
+            count = self._write_direct(weights)
+        elif self._buckets:
+            count = self._sync_buckets(weights)
+        elif self.config.sync == "shared_memory":
+            [count] = self.llm.collective_rpc("arctic_load_weights", args=(weights,))
+        else:
+            count = self._sync_file(weights)
         self.llm.reset_prefix_cache()
         return count
 
@@ -145,17 +198,19 @@ class VLLMSampler(Sampler):
         [count] = self.llm.collective_rpc("arctic_load_file", args=(path,))
         return count
 
-    def _join_broadcast_group(self) -> None:
+    def _join_sync_group(self) -> None:
         port = free_loopback_port() if self.config.sync_host in ("127.0.0.1", "localhost") else _BROADCAST_PORT
         joined = self._rpc.submit(self.llm.collective_rpc, "arctic_join_sync_group",
-                                  args=(self.config.sync_host, port, _SYNC_TIMEOUT_S))
-        self._group, self._store = join_group(self.config.sync_host, port, 0, _SYNC_TIMEOUT_S, is_master=True)
+                                  args=(self.config.sync_host, port, _SYNC_TIMEOUT_S, self.cuda))
+        self._group, self._store = join_group(self.config.sync_host, port, 0, _SYNC_TIMEOUT_S, is_master=True,
+                                              nccl=self.cuda)
         joined.result()
 
-    def _sync_broadcast(self, weights) -> int:
-        """Bucketed broadcast; the worker loads each bucket as it arrives."""
-        received = self._rpc.submit(self.llm.collective_rpc, "arctic_receive_broadcast", timeout=_SYNC_TIMEOUT_S)
-        sender = BucketSender(self._group, int(self.config.bucket_mb * 2**20), owner=self)
+    def _sync_buckets(self, weights) -> int:
+        """Bucketed, by broadcast or through shared memory; the worker loads each bucket as it arrives."""
+        received = self._rpc.submit(self.llm.collective_rpc, "arctic_receive_buckets", timeout=_SYNC_TIMEOUT_S)
+        sender = BucketSender(self._group, int(self.config.bucket_mb * 2**20), owner=self,
+                              shared_memory=self.config.sync == "shared_memory")
         try:
             for name, tensor in weights:
                 sender.add(name, tensor)

@@ -1,23 +1,35 @@
 """Runs inside vLLM's worker (`worker_extension_cls`): how new weights get into the engine.
 
-vLLM mixes this class into its Worker. Every path ends in the worker's
-`reload_weights`, vLLM's in-place reload of checkpoint-format (Hugging Face
-named) weights, which maps them onto fused layers and redoes the post-load
-processing. A reload takes one iterator over all weights, so the broadcast
-path streams its buckets through one.
+vLLM mixes this class into its Worker. Where the model keeps its weights in
+their checkpoint layout (the plain-weights loader on CPU), the worker can hand
+the trainer its parameter tensors, or move them into a shared-memory file the
+trainer maps, and the trainer writes each sync itself (`arctic_expose_weights`).
+Otherwise every path ends in one load of checkpoint-format (Hugging Face named)
+weights, which vLLM maps onto its fused layers: plain weights through the
+model's `load_weights`, a copy into the tensors the forward pass reads; any
+other through the worker's `reload_weights`, vLLM's layer-by-layer reload that
+redoes the post-load processing (repacking, quantization). Either takes one
+iterator over all weights, so the bucketed paths (broadcast, or shared-memory
+slots between processes) stream their buckets through one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import tempfile
+import weakref
 from datetime import timedelta
 
 import torch
 
+from arctic_rl_core.samplers.vllm_plain_weights import MARKER as PLAIN_WEIGHTS
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
+
+def _broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
     opts = torch.distributed.BroadcastOptions()
-    opts.rootRank = 0
+    opts.rootRank = root
     group.broadcast([tensor], opts).wait()
 
 
@@ -34,18 +46,69 @@ def _reusable(holder, attr: str, nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
-class BucketSender:
-    """Trainer side: packs tensors into a flat bucket as they arrive and broadcasts each full bucket
-    as header [layout bytes, data bytes], JSON layout, data; `close` sends the end marker.
-    The bucket memory belongs to `owner` and is reused by the next sync."""
+def _shared_memory_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
-    def __init__(self, group, bucket_bytes: int, owner):
+
+class SharedSlot:
+    """A byte buffer in a shared-memory file that another process on this host maps by its path.
+    The file is unlinked once the other side has mapped it, so nothing is left behind on a crash."""
+
+    def __init__(self, nbytes: int):
+        fd, self.path = tempfile.mkstemp(prefix="arctic-rl-sync-", dir=_shared_memory_dir())
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.buffer = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
+        self._unlink = weakref.finalize(self, unlink_shared, self.path)  # also at exit, if never mapped
+
+    def unlink(self) -> None:
+        self._unlink()
+
+
+def unlink_shared(path: str) -> None:
+    """Either side may unlink a shared file first."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def map_shared(path: str) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+
+
+class BucketSender:
+    """Trainer side of a bucketed sync: packs tensors into a flat bucket as they arrive and sends each
+    full bucket as a header [layout bytes, data bytes], then the JSON layout (names, dtypes, shapes,
+    offsets, and where the data is), then the data; `close` sends the end marker.
+
+    Over the wire (`shared_memory=False`) the data is broadcast from a buffer that the next sync reuses.
+    On one host (`shared_memory=True`) the bucket is packed straight into one of two shared-memory
+    slots the worker maps and only the header and layout are broadcast; the worker acknowledges each
+    bucket once loaded, so the trainer packs one slot while the worker loads the other.
+    The buffers and slots belong to `owner` and are reused by the next sync."""
+
+    def __init__(self, group, bucket_bytes: int, owner, shared_memory: bool = False):
         self.group = group
         self.owner = owner
         self.capacity = bucket_bytes
-        self.flat = _reusable(owner, "_arctic_send_buffer", bucket_bytes)
+        self.shared_memory = shared_memory
         self.layout: list = []
         self.used = 0
+        self.turn = 0  # which of the two slots is packed next
+        self.awaiting_ack: SharedSlot | None = None
+        self.flat = self._buffer(bucket_bytes)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if not self.shared_memory:
+            return _reusable(self.owner, "_arctic_send_buffer", nbytes)
+        slots = self.owner.__dict__.setdefault("_arctic_shared_slots", [None, None])
+        if slots[self.turn] is None or slots[self.turn].buffer.numel() < nbytes:
+            if slots[self.turn] is not None:
+                slots[self.turn].unlink()
+            slots[self.turn] = SharedSlot(nbytes)
+        self.slot = slots[self.turn]
+        return self.slot.buffer[:nbytes]
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -53,7 +116,7 @@ class BucketSender:
             self.flush()
         if nbytes > self.capacity:  # a tensor larger than a bucket travels alone
             self.capacity = nbytes
-            self.flat = _reusable(self.owner, "_arctic_send_buffer", nbytes)
+            self.flat = self._buffer(nbytes)
         self.flat[self.used : self.used + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         self.layout.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), self.used))
         self.used += nbytes
@@ -61,21 +124,68 @@ class BucketSender:
     def flush(self) -> None:
         if not self.layout:
             return
-        meta = torch.frombuffer(bytearray(json.dumps(self.layout).encode()), dtype=torch.uint8)
+        self._receive_ack()
+        where = self.slot.path if self.shared_memory else None
+        meta = torch.frombuffer(bytearray(json.dumps({"layout": self.layout, "slot": where}).encode()), dtype=torch.uint8)
         _broadcast(self.group, torch.tensor([meta.numel(), self.used], dtype=torch.int64))
         _broadcast(self.group, meta)
-        _broadcast(self.group, self.flat[: self.used])
+        if self.shared_memory:
+            self.awaiting_ack = self.slot
+            self.turn = 1 - self.turn
+            self.flat = self._buffer(self.capacity)  # packed while the worker loads the other slot
+        else:
+            _broadcast(self.group, self.flat[: self.used])
         self.layout, self.used = [], 0
+
+    def _receive_ack(self) -> None:
+        if self.awaiting_ack is not None:
+            _broadcast(self.group, torch.zeros(1, dtype=torch.int64), root=1)
+            self.awaiting_ack.unlink()  # the worker has it mapped now
+            self.awaiting_ack = None
 
     def close(self) -> None:
         self.flush()
+        self._receive_ack()
         _broadcast(self.group, torch.zeros(2, dtype=torch.int64))
 
 
-def join_group(host: str, port: int, rank: int, timeout_s: float, is_master: bool):
+def receive_buckets(group, holder, copy: bool):
+    """Worker side of `BucketSender`: yields (name, tensor) until the end marker. A tensor is a view of
+    the bucket, valid until the next bucket arrives, unless `copy` (for loaders that hold on to tensors)."""
+    mapped: dict[str, torch.Tensor] = holder.__dict__.setdefault("_arctic_mapped_slots", {})
+    while True:
+        head = torch.empty(2, dtype=torch.int64)
+        _broadcast(group, head)
+        meta_bytes, nbytes = head.tolist()
+        if meta_bytes == 0:
+            return
+        meta = torch.empty(meta_bytes, dtype=torch.uint8)
+        _broadcast(group, meta)
+        bucket = json.loads(meta.numpy().tobytes())
+        if bucket["slot"] is None:
+            flat = _reusable(holder, "_arctic_receive_buffer", nbytes)
+            _broadcast(group, flat)
+        else:
+            if bucket["slot"] not in mapped:  # first sight of a slot: keep the previous bucket's, drop a replaced one
+                previous = holder.__dict__.get("_arctic_last_slot")
+                mapped = {path: t for path, t in mapped.items() if path == previous}
+                holder._arctic_mapped_slots = mapped
+                mapped[bucket["slot"]] = map_shared(bucket["slot"])
+            holder._arctic_last_slot = bucket["slot"]
+            flat = mapped[bucket["slot"]]
+        for name, dtype, shape, offset in bucket["layout"]:
+            dt = getattr(torch, dtype)
+            size = int(torch.Size(shape).numel()) * dt.itemsize
+            tensor = flat[offset : offset + size].view(dt).view(shape)
+            yield name, tensor.clone() if copy else tensor
+        if bucket["slot"] is not None:
+            _broadcast(group, torch.ones(1, dtype=torch.int64), root=1)
+
+
+def join_group(host: str, port: int, rank: int, timeout_s: float, is_master: bool, nccl: bool):
     store = torch.distributed.TCPStore(host, port, world_size=2, is_master=is_master,
                                        timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    if torch.cuda.is_available():
+    if nccl:
         return torch.distributed.ProcessGroupNCCL(store, rank, 2), store
     return torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s)), store
 
@@ -91,32 +201,43 @@ class WeightSyncExtension:
 
         return self._arctic_reload(load_file(path, device=str(_device())).items())
 
-    def arctic_join_sync_group(self, host: str, port: int, timeout_s: float) -> bool:
+    def arctic_expose_weights(self, shared: bool) -> dict | None:
+        """Where vLLM's weights live, for a trainer that writes them itself: the tensors (same process), or
+        a shared-memory file they are moved into (another process on this host). Only weights kept in their
+        checkpoint layout can be written from outside; otherwise None."""
+        if not self._arctic_in_place() or self.vllm_config.model_config.quantization is not None:
+            return None
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())  # a tied parameter appears once
+        packed = {fused: list(shards) for fused, shards in getattr(model, "packed_modules_mapping", {}).items()}
+        if not shared:
+            return {"tensors": {name: p.data for name, p in params.items()}, "packed": packed}
+        offsets, total = {}, 0
+        for name, p in params.items():
+            offsets[name] = total
+            total += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned
+        slot = SharedSlot(total)
+        for name, p in params.items():
+            view = slot.buffer[offsets[name] : offsets[name] + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+        self._arctic_weights_slot = slot  # mapped for the worker's lifetime
+        return {"path": slot.path, "packed": packed,
+                "params": {name: [offsets[name], str(p.dtype).removeprefix("torch."), list(p.shape)]
+                           for name, p in params.items()}}
+
+    def arctic_join_sync_group(self, host: str, port: int, timeout_s: float, nccl: bool) -> bool:
         """Join the trainer's two-member process group (trainer rank 0, this worker rank 1)."""
-        self._arctic_group, self._arctic_store = join_group(host, port, 1, timeout_s, is_master=False)
+        self._arctic_group, self._arctic_store = join_group(host, port, 1, timeout_s, is_master=False, nccl=nccl)
         return True
 
-    def arctic_receive_broadcast(self) -> int:
-        """Receive buckets by broadcast until the trainer's end marker, loading them as they come."""
-        group = self._arctic_group
+    def arctic_receive_buckets(self) -> int:
+        """Load buckets as they arrive (broadcast, or through shared memory) until the trainer's end marker."""
+        # vLLM's layer-by-layer reload holds each layer's tensors until the layer is complete.
+        return self._arctic_reload(receive_buckets(self._arctic_group, self, copy=not self._arctic_in_place()))
 
-        def stream():
-            while True:
-                head = torch.empty(2, dtype=torch.int64)
-                _broadcast(group, head)
-                meta_bytes, nbytes = head.tolist()
-                if meta_bytes == 0:
-                    return
-                meta = torch.empty(meta_bytes, dtype=torch.uint8)
-                _broadcast(group, meta)
-                flat = _reusable(self, "_arctic_receive_buffer", nbytes)
-                _broadcast(group, flat)
-                for name, dtype, shape, offset in json.loads(meta.numpy().tobytes()):
-                    dt = getattr(torch, dtype)
-                    size = int(torch.Size(shape).numel()) * dt.itemsize
-                    yield name, flat[offset : offset + size].view(dt).view(shape)
-
-        return self._arctic_reload(stream())
+    def _arctic_in_place(self) -> bool:
+        return getattr(self.model_runner.get_model(), PLAIN_WEIGHTS, False)
 
     def _arctic_reload(self, weights) -> int:
         count = 0
@@ -127,5 +248,8 @@ class WeightSyncExtension:
                 count += 1
                 yield item
 
-        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        if self._arctic_in_place():
+            self.model_runner.get_model().load_weights(counted())
+        else:
+            self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         return count
