@@ -3,12 +3,13 @@
 After loading, vLLM-CPU repacks every linear weight into oneDNN's blocked layout
 and drops the plain tensor. New weights then cannot be written in place: each
 sync must rebuild every layer and repack it, which was 58% of a 148 MB sync.
-This loader is vLLM's default loader with two changes: before the post-load
-processing it sets vLLM's own `_cpu_skip_gemm_dispatch` switch on each linear
-layer (it then keeps its weight and multiplies with `F.linear`), and afterwards
-the LM head, which ignores that switch, also multiplies with `F.linear` on its
-kept weight. The model's `load_weights` can then write new weights straight
-into the tensors the forward pass reads.
+For the dense architectures listed below (others load as by vLLM's default
+loader), this loader is vLLM's default loader with two changes: before the
+post-load processing it sets vLLM's own `_cpu_skip_gemm_dispatch` switch on
+each linear layer (it then keeps its weight and multiplies with `F.linear`),
+and afterwards the LM head, which ignores that switch, also multiplies with
+`F.linear` on its kept weight. The model's `load_weights` can then write new
+weights straight into the tensors the forward pass reads.
 
 vLLM imports this module with the worker extension (`vllm_worker`), in the
 process that loads the model; the sampler selects the loader by its
@@ -27,6 +28,15 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 LOAD_FORMAT = "arctic_rl_plain_cpu_weights"
 MARKER = "arctic_rl_plain_weights"
 """Set on the loaded model: its weights can be overwritten in place by `load_weights`."""
+PLAIN_ARCHITECTURES = frozenset({"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"})
+"""Dense models whose every weight is a plain linear, embedding or norm tensor, loaded without transforms.
+Others (mixture-of-experts, MLA, Mamba/GDN, checkpoint layouts that `load_weights` rearranges) load as by
+vLLM's default loader."""
+
+
+def _plain(model_config) -> bool:
+    architectures = set(model_config.architectures or ())
+    return model_config.quantization is None and bool(architectures) and architectures <= PLAIN_ARCHITECTURES
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -37,13 +47,16 @@ class PlainCpuWeightsLoader(DefaultModelLoader):
         super().__init__(files)
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
-        for module in model.modules():
-            if isinstance(module, LinearBase):
-                module._cpu_skip_gemm_dispatch = True
+        if _plain(model_config):
+            for module in model.modules():
+                if isinstance(module, LinearBase):
+                    module._cpu_skip_gemm_dispatch = True
         super().load_weights(model, model_config)
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
         model = super().load_model(vllm_config, model_config, prefix)
+        if not _plain(model_config):
+            return model
         for module in model.modules():
             if hasattr(module, "cpu_linear"):
                 module.cpu_linear = torch.nn.functional.linear

@@ -94,8 +94,8 @@ class VLLMSampler(Sampler):
         if self._buckets:
             self._join_sync_group()
         self._direct = self._expose_weights() if sc.sync == "shared_memory" else None
-        self.sync_route = ("direct" if self._direct is not None else "buckets" if self._buckets
-                           else "worker_reload" if sc.sync == "shared_memory" else "file")
+        self._direct_checked = False
+        self._set_route()
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -143,9 +143,10 @@ class VLLMSampler(Sampler):
         """Views of vLLM's weights, one per checkpoint tensor, that a sync writes straight into; None where
         vLLM must load them itself (packed layout, quantization, names or shapes it maps otherwise)."""
         shared = self.config.placement == "subprocess"
-        [exposed] = self.llm.collective_rpc("arctic_expose_weights", args=(shared,))
-        if exposed is None:
+        workers = self.llm.collective_rpc("arctic_expose_weights", args=(shared,))
+        if len(workers) != 1 or workers[0] is None:  # tensor-parallel workers each hold a shard
             return None
+        [exposed] = workers
         if shared:
             flat = map_shared(exposed["path"])
             unlink_shared(exposed["path"])  # both sides have it mapped
@@ -163,6 +164,24 @@ class VLLMSampler(Sampler):
             return None
         return destinations(placement, tensors)
 
+    def _set_route(self) -> None:
+        sc = self.config
+        self.sync_route = ("direct" if self._direct is not None else "buckets" if self._buckets
+                           else "worker_reload" if sc.sync == "shared_memory" else "file")
+
+    def _check_direct(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Once: the trainer's names and shapes must be the checkpoint's, which the placement was built from
+        (a model class may rename or reshape on load); otherwise syncs go through vLLM's loader."""
+        sent = {name: tuple(t.shape) for name, t in weights}
+        placed = {name: tuple(view.shape) for name, view in self._direct.items()}
+        if sent != placed:
+            differ = sorted(set(sent.items()) ^ set(placed.items()))[:4]
+            log.warning("sync_weights goes through vLLM's loader: the trainer's weights differ from the "
+                        "checkpoint's in %s", differ)
+            self._direct = None
+            self._set_route()
+        self._direct_checked = True
+
     def _write_direct(self, weights) -> int:
         """Each trainer tensor is copied into its place in vLLM's weights; nothing else runs."""
         written = set()
@@ -178,6 +197,9 @@ class VLLMSampler(Sampler):
         return len(written)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        if self._direct is not None and not self._direct_checked:
+            weights = list(weights)  # references; copies only where the engine gathers (ZeRO-3, LoRA)
+            self._check_direct(weights)
         if self._direct is not None:
             count = self._write_direct(weights)
         elif self._buckets:

@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 
+from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.samplers.vllm_plain_weights import MARKER as PLAIN_WEIGHTS
 
 
@@ -52,12 +53,19 @@ def _shared_memory_dir() -> str:
 
 class SharedSlot:
     """A byte buffer in a shared-memory file that another process on this host maps by its path.
-    The file is unlinked once the other side has mapped it, so nothing is left behind on a crash."""
+    The file is unlinked as soon as the other side has mapped it (and at exit); only a process killed
+    in between leaves it behind."""
 
     def __init__(self, nbytes: int):
-        fd, self.path = tempfile.mkstemp(prefix="arctic-rl-sync-", dir=_shared_memory_dir())
+        directory = _shared_memory_dir()
+        fd, self.path = tempfile.mkstemp(prefix="arctic-rl-sync-", dir=directory)
         try:
-            os.ftruncate(fd, nbytes)
+            # Reserve the pages now: a tmpfs that runs out later kills the writer with SIGBUS.
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as err:
+            unlink_shared(self.path)
+            raise ArcticRLError(f"sampler.sync: no room for {nbytes / 2**20:.0f} MB of shared memory in {directory} "
+                                f"({err.strerror}); enlarge it (e.g. docker --shm-size) or use broadcast") from err
         finally:
             os.close(fd)
         self.buffer = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -126,7 +134,9 @@ class BucketSender:
             return
         self._receive_ack()
         where = self.slot.path if self.shared_memory else None
-        meta = torch.frombuffer(bytearray(json.dumps({"layout": self.layout, "slot": where}).encode()), dtype=torch.uint8)
+        live = [slot.path for slot in self.owner.__dict__.get("_arctic_shared_slots", ()) if slot is not None]
+        meta = torch.frombuffer(bytearray(json.dumps({"layout": self.layout, "slot": where, "live": live}).encode()),
+                                dtype=torch.uint8)
         _broadcast(self.group, torch.tensor([meta.numel(), self.used], dtype=torch.int64))
         _broadcast(self.group, meta)
         if self.shared_memory:
@@ -138,10 +148,10 @@ class BucketSender:
         self.layout, self.used = [], 0
 
     def _receive_ack(self) -> None:
-        if self.awaiting_ack is not None:
+        slot, self.awaiting_ack = self.awaiting_ack, None  # waited for once, even if the wait fails
+        if slot is not None:
             _broadcast(self.group, torch.zeros(1, dtype=torch.int64), root=1)
-            self.awaiting_ack.unlink()  # the worker has it mapped now
-            self.awaiting_ack = None
+            slot.unlink()  # the worker has it mapped now
 
     def close(self) -> None:
         self.flush()
@@ -149,37 +159,53 @@ class BucketSender:
         _broadcast(self.group, torch.zeros(2, dtype=torch.int64))
 
 
+def _receive_bucket(group, holder) -> tuple[dict, torch.Tensor] | None:
+    """The next bucket's layout and bytes; None at the end marker."""
+    head = torch.empty(2, dtype=torch.int64)
+    _broadcast(group, head)
+    meta_bytes, nbytes = head.tolist()
+    if meta_bytes == 0:
+        return None
+    meta = torch.empty(meta_bytes, dtype=torch.uint8)
+    _broadcast(group, meta)
+    bucket = json.loads(meta.numpy().tobytes())
+    if bucket["slot"] is None:
+        flat = _reusable(holder, "_arctic_receive_buffer", nbytes)
+        _broadcast(group, flat)
+        return bucket, flat
+    mapped = {path: t for path, t in holder.__dict__.get("_arctic_mapped_slots", {}).items() if path in bucket["live"]}
+    if bucket["slot"] not in mapped:
+        mapped[bucket["slot"]] = map_shared(bucket["slot"])
+    holder._arctic_mapped_slots = mapped
+    return bucket, mapped[bucket["slot"]]
+
+
+def _acknowledge(group, bucket: dict) -> None:
+    if bucket["slot"] is not None:  # the trainer may now reuse the slot
+        _broadcast(group, torch.ones(1, dtype=torch.int64), root=1)
+
+
 def receive_buckets(group, holder, copy: bool):
     """Worker side of `BucketSender`: yields (name, tensor) until the end marker. A tensor is a view of
-    the bucket, valid until the next bucket arrives, unless `copy` (for loaders that hold on to tensors)."""
-    mapped: dict[str, torch.Tensor] = holder.__dict__.setdefault("_arctic_mapped_slots", {})
-    while True:
-        head = torch.empty(2, dtype=torch.int64)
-        _broadcast(group, head)
-        meta_bytes, nbytes = head.tolist()
-        if meta_bytes == 0:
-            return
-        meta = torch.empty(meta_bytes, dtype=torch.uint8)
-        _broadcast(group, meta)
-        bucket = json.loads(meta.numpy().tobytes())
-        if bucket["slot"] is None:
-            flat = _reusable(holder, "_arctic_receive_buffer", nbytes)
-            _broadcast(group, flat)
-        else:
-            if bucket["slot"] not in mapped:  # first sight of a slot: keep the previous bucket's, drop a replaced one
-                previous = holder.__dict__.get("_arctic_last_slot")
-                mapped = {path: t for path, t in mapped.items() if path == previous}
-                holder._arctic_mapped_slots = mapped
-                mapped[bucket["slot"]] = map_shared(bucket["slot"])
-            holder._arctic_last_slot = bucket["slot"]
-            flat = mapped[bucket["slot"]]
-        for name, dtype, shape, offset in bucket["layout"]:
-            dt = getattr(torch, dtype)
-            size = int(torch.Size(shape).numel()) * dt.itemsize
-            tensor = flat[offset : offset + size].view(dt).view(shape)
-            yield name, tensor.clone() if copy else tensor
-        if bucket["slot"] is not None:
-            _broadcast(group, torch.ones(1, dtype=torch.int64), root=1)
+    the bucket, valid until the next bucket arrives, unless `copy` (for loaders that hold on to tensors).
+    Closed early (the loader failed), it still takes the trainer's remaining buckets, so the trainer's
+    side of the protocol ends and the next sync starts in step."""
+    pending = None  # a bucket yielded from and not yet acknowledged
+    try:
+        while (received := _receive_bucket(group, holder)) is not None:
+            pending, flat = received
+            for name, dtype, shape, offset in pending["layout"]:
+                dt = getattr(torch, dtype)
+                size = int(torch.Size(shape).numel()) * dt.itemsize
+                tensor = flat[offset : offset + size].view(dt).view(shape)
+                yield name, tensor.clone() if copy else tensor
+            _acknowledge(group, pending)
+            pending = None
+    finally:
+        if pending is not None:
+            _acknowledge(group, pending)
+            while (received := _receive_bucket(group, holder)) is not None:
+                _acknowledge(group, received[0])
 
 
 def join_group(host: str, port: int, rank: int, timeout_s: float, is_master: bool, nccl: bool):
@@ -234,7 +260,11 @@ class WeightSyncExtension:
     def arctic_receive_buckets(self) -> int:
         """Load buckets as they arrive (broadcast, or through shared memory) until the trainer's end marker."""
         # vLLM's layer-by-layer reload holds each layer's tensors until the layer is complete.
-        return self._arctic_reload(receive_buckets(self._arctic_group, self, copy=not self._arctic_in_place()))
+        buckets = receive_buckets(self._arctic_group, self, copy=not self._arctic_in_place())
+        try:
+            return self._arctic_reload(buckets)
+        finally:
+            buckets.close()  # after a failed load: drain the trainer's remaining buckets
 
     def _arctic_in_place(self) -> bool:
         return getattr(self.model_runner.get_model(), PLAIN_WEIGHTS, False)
