@@ -23,7 +23,7 @@ from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
-from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, unlink_shared
+from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
 from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
 from arctic_rl_core.types import Completion, SamplingParams
 
@@ -150,10 +150,8 @@ class VLLMSampler(Sampler):
         if shared:
             flat = map_shared(exposed["path"])
             unlink_shared(exposed["path"])  # both sides have it mapped
-            tensors = {}
-            for name, (offset, dtype, shape) in exposed["params"].items():
-                dt = getattr(torch, dtype)
-                tensors[name] = flat[offset : offset + torch.Size(shape).numel() * dt.itemsize].view(dt).view(shape)
+            tensors = {name: tensor_at(flat, offset, dtype, shape)
+                       for name, (offset, dtype, shape) in exposed["params"].items()}
         else:
             tensors = exposed["tensors"]
         try:

@@ -75,6 +75,12 @@ class SharedSlot:
         self._unlink()
 
 
+def tensor_at(flat: torch.Tensor, offset: int, dtype: torch.dtype | str, shape) -> torch.Tensor:
+    """The tensor of `dtype` (or its name) and `shape` stored in the byte buffer `flat` from `offset`."""
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return flat[offset : offset + int(torch.Size(shape).numel()) * dt.itemsize].view(dt).view(shape)
+
+
 def unlink_shared(path: str) -> None:
     """Either side may unlink a shared file first."""
     with contextlib.suppress(FileNotFoundError):
@@ -195,9 +201,7 @@ def receive_buckets(group, holder, copy: bool):
         while (received := _receive_bucket(group, holder)) is not None:
             pending, flat = received
             for name, dtype, shape, offset in pending["layout"]:
-                dt = getattr(torch, dtype)
-                size = int(torch.Size(shape).numel()) * dt.itemsize
-                tensor = flat[offset : offset + size].view(dt).view(shape)
+                tensor = tensor_at(flat, offset, dtype, shape)
                 yield name, tensor.clone() if copy else tensor
             _acknowledge(group, pending)
             pending = None
@@ -244,7 +248,7 @@ class WeightSyncExtension:
             total += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned
         slot = SharedSlot(total)
         for name, p in params.items():
-            view = slot.buffer[offsets[name] : offsets[name] + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            view = tensor_at(slot.buffer, offsets[name], p.dtype, p.shape)
             view.copy_(p.data)
             p.data = view
         self._arctic_weights_slot = slot  # mapped for the worker's lifetime
