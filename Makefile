@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test compat clean
+.PHONY: install demo test scenarios compat clean
 
 install: $(STAMP)
 
@@ -22,7 +22,11 @@ demo: install
 	$(VENV)/bin/arctic-rl demo
 
 test: install
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -m "not scenario"
+
+# Multi-process, Ray and framework scenarios: slower, kept out of `make test`; CI runs them too.
+scenarios: install
+	$(VENV)/bin/python -m pytest -q -m scenario
 
 # Compatibility tests against the real frameworks, each in its own environment (compat_tests/).
 compat: install
