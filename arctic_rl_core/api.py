@@ -45,6 +45,10 @@ class TrainingAPI(ABC):
         """Forward and backward; gradients add up over calls until `step`."""
 
     @abstractmethod
+    def discard_gradients(self) -> None:
+        """Drop the gradients accumulated since the last step (a failed `fwd_bwd` already leaves none of its own)."""
+
+    @abstractmethod
     def step(self, learning_rate: float | None = None) -> StepResult:
         """Apply the accumulated gradients with the optimizer."""
 

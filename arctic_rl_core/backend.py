@@ -6,6 +6,7 @@ request leaves weights, optimizer state and accumulated gradients as they were.
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -25,6 +26,9 @@ from arctic_rl_core.types import (
     ProcessorSpec,
     SamplingParams,
     Sequence,
+    MAX_LEARNING_RATE,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
     StepResult,
     model_shape,
 )
@@ -54,6 +58,8 @@ class InProcessBackend(TrainingAPI):
         self._weights_lock = threading.Lock()
         # generate and sync_weights share the sampler's copy of the weights.
         self._sampler_lock = threading.Lock()
+        self._accumulated: list[tuple] = []
+        """The fwd_bwd calls whose gradients are pending: replayed to restore them if a later call fails."""
         self.generated = {"calls": 0, "completions": 0, "tokens": 0}
         """What the sampler produced so far (served by the server's status route)."""
 
@@ -127,8 +133,8 @@ class InProcessBackend(TrainingAPI):
     def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0,
                   source: str = "trainer") -> LogProbsResult:
         seqs = self._validated(sequences)
-        if not temperature > 0:
-            raise InvalidRequest("temperature", "must be > 0")
+        if not (isinstance(temperature, (int, float)) and MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+            raise InvalidRequest("temperature", f"must be in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], got {temperature!r}")
         if source == "sampler":
             if with_entropy or temperature != 1.0:
                 raise InvalidRequest("with_entropy" if with_entropy else "temperature",
@@ -162,8 +168,14 @@ class InProcessBackend(TrainingAPI):
         seqs = self._validated(sequences)
         require_fields(seqs, entry.required_fields(loss_config), f"loss {spec.name!r}")
         micro = self._micro_batches(seqs)
+        call = (micro, entry, loss_config, post)
         with self._train_lock, self._sampler_asleep():
-            value, metrics = self.engine.forward_backward(micro, entry, loss_config, post)
+            try:
+                value, metrics = self.engine.forward_backward(*call)
+            except BaseException:
+                self._restore_gradients()
+                raise
+            self._accumulated.append(call)
         return FwdBwdResult(
             loss=value,
             metrics=metrics,
@@ -172,14 +184,29 @@ class InProcessBackend(TrainingAPI):
             weight_version=self._weight_version,
         )
 
+    def _restore_gradients(self) -> None:
+        """fwd_bwd is all-or-nothing: drop what a failed call accumulated by rebuilding the gradients
+        of the calls before it (the same deterministic computation, in the same order)."""
+        self.engine.discard_gradients()
+        for call in self._accumulated:
+            self.engine.forward_backward(*call)
+
+    def discard_gradients(self) -> None:
+        with self._train_lock:
+            self.engine.discard_gradients()
+            self._accumulated.clear()
+
     def step(self, learning_rate: float | None = None) -> StepResult:
-        if learning_rate is not None and not (isinstance(learning_rate, (int, float)) and learning_rate > 0):
-            raise InvalidRequest("learning_rate", f"must be > 0, got {learning_rate!r}")
+        if learning_rate is not None and not (
+                isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
+                and 0 < learning_rate <= MAX_LEARNING_RATE):
+            raise InvalidRequest("learning_rate", f"must be in (0, {MAX_LEARNING_RATE}], got {learning_rate!r}")
         with self._train_lock:
             if not self.engine.has_gradients:
                 raise InvalidRequest("step", "no gradients accumulated since the last step; call fwd_bwd first")
             with self._weights_lock, self._sampler_asleep():
                 grad_norm, lr = self.engine.optimizer_step(learning_rate)
+            self._accumulated.clear()
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
 
     def sync_weights(self) -> int:
@@ -203,6 +230,7 @@ class InProcessBackend(TrainingAPI):
             raise InvalidRequest("path", "must be a directory path")
         with self._train_lock, self._weights_lock, self._sampler_lock:
             state = self.engine.load(path)
+            self._accumulated.clear()
             self.sampler.load_weights(self.engine.named_full_weights())
             # Weights stepped after the checkpoint's last sync were never published: they get a new version.
             unpublished = self.engine.steps != int(state.get("synced_step", self.engine.steps))

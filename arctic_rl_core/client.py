@@ -151,6 +151,9 @@ class ArcticRLClient(TrainingAPI):
     def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec | dict | str) -> FwdBwdResult:
         return self._call("fwd_bwd", _request("fwd_bwd", sequences=sequences, loss=_loss(loss)))
 
+    def discard_gradients(self) -> None:
+        self._call("discard_gradients", _request("discard_gradients"))
+
     def step(self, learning_rate: float | None = None) -> StepResult:
         return self._call("step", _request("step", learning_rate=learning_rate))
 
@@ -204,6 +207,9 @@ class AsyncArcticRLClient:
 
     async def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec | dict | str) -> FwdBwdResult:
         return await self._call("fwd_bwd", _request("fwd_bwd", sequences=sequences, loss=_loss(loss)))
+
+    async def discard_gradients(self) -> None:
+        await self._call("discard_gradients", _request("discard_gradients"))
 
     async def step(self, learning_rate: float | None = None) -> StepResult:
         return await self._call("step", _request("step", learning_rate=learning_rate))

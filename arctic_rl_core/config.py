@@ -10,7 +10,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 
 
 class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class LoraSettings(_Config):
@@ -24,7 +24,7 @@ class EngineConfig(_Config):
     name: str = "deepspeed"
     zero_stage: int = Field(2, ge=0, le=3)
     dtype: Dtype = "float32"
-    learning_rate: float = Field(1e-5, gt=0)
+    learning_rate: float = Field(1e-5, gt=0, le=10.0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)

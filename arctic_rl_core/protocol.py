@@ -71,6 +71,7 @@ ROUTES: dict[str, Route] = {
               lambda api, q: api.log_probs(q.sequences, with_entropy=q.with_entropy, temperature=q.temperature,
                                            source=q.source)),
         Route("fwd_bwd", FwdBwdRequest, FwdBwdResult, True, lambda api, q: api.fwd_bwd(q.sequences, q.loss)),
+        Route("discard_gradients", Empty, Empty, True, lambda api, q: api.discard_gradients() or Empty()),
         Route("step", StepRequest, StepResult, True, lambda api, q: api.step(q.learning_rate)),
         Route("sync_weights", Empty, WeightVersionResponse, True,
               lambda api, q: WeightVersionResponse(weight_version=api.sync_weights())),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from arctic_rl_core.errors import InvalidRequest
 
@@ -25,8 +25,17 @@ def model_shape(hf_config: dict) -> dict:
     return {key: hf_config.get(key) for key in MODEL_SHAPE_KEYS}
 
 
+MAX_VERSION = 2**53
+"""Weight versions are counters; this bound keeps them exact as floats in the losses' arithmetic."""
+MAX_LEARNING_RATE = 10.0
+"""Far above any learning rate in use; larger ones overflow weights in a step."""
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 1e2
+"""Sampling and scoring temperatures divide the logits: outside this range they overflow fp16/bf16
+logits or flatten the policy to noise. Temperature 0 (greedy) is allowed for sampling."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class Sequence(_Strict):
@@ -43,7 +52,7 @@ class Sequence(_Strict):
     advantages: list[float] | None = None
     behaviour_logprobs: list[float] | None = None
     """Log-probs under the policy that sampled the response."""
-    behaviour_version: int | None = None
+    behaviour_version: int | None = Field(None, ge=0, le=MAX_VERSION)
     """The weight version that produced `behaviour_logprobs`."""
     proximal_logprobs: list[float] | None = None
     """Recomputed proximal-policy log-probs for decoupled (off-policy) losses."""
@@ -108,7 +117,7 @@ class FwdBwdResult(_Strict):
 
 
 class StepRequest(_Strict):
-    learning_rate: float | None = Field(default=None, gt=0)
+    learning_rate: float | None = Field(default=None, gt=0, le=MAX_LEARNING_RATE)
 
 
 class StepResult(_Strict):
@@ -120,14 +129,21 @@ class StepResult(_Strict):
 
 class SamplingParams(_Strict):
     n: int = Field(default=1, ge=1)
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
+    """0 is greedy; otherwise at least MIN_TEMPERATURE."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
     """0 disables top-k."""
-    max_tokens: int = 64
+    max_tokens: int = Field(default=64, ge=1)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+    @model_validator(mode="after")
+    def _temperature(self) -> "SamplingParams":
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return self
 
 
 class GenerateRequest(_Strict):
@@ -147,7 +163,7 @@ class Completion(_Strict):
 class LogProbsRequest(_Strict):
     sequences: list[Sequence]
     with_entropy: bool = False
-    temperature: float = Field(default=1.0, gt=0)
+    temperature: float = Field(default=1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)
     source: Literal["trainer", "sampler"] = "trainer"
 
 

@@ -37,6 +37,10 @@ class TrainingEngine(ABC):
         """Per-token outputs ("logprobs", optionally "entropy") without gradients."""
 
     @abstractmethod
+    def discard_gradients(self) -> None:
+        """Drop all gradients accumulated since the last step."""
+
+    @abstractmethod
     def optimizer_step(self, learning_rate: float | None) -> tuple[float, float]:
         """Apply accumulated gradients; return (grad_norm, learning_rate). Clears gradients."""
 

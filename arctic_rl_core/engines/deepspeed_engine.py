@@ -22,6 +22,7 @@ import torch
 from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.config import BackendConfig, EngineConfig
 from arctic_rl_core.engines.base import TrainingEngine
+from arctic_rl_core.engines.checkpoint_files import SafeCheckpointEngine, preflight
 from arctic_rl_core.engines.response_logits import ResponseLogits
 from arctic_rl_core.engines.distributed import init_distributed
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
@@ -87,7 +88,10 @@ class DeepSpeedEngine(TrainingEngine):
         self.stage = ec.zero_stage
         self.concurrent_forward = ec.zero_stage < 3
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-        hf_config = AutoConfig.from_pretrained(config.model_path)
+        try:
+            hf_config = AutoConfig.from_pretrained(config.model_path)
+        except (OSError, ValueError, KeyError) as err:
+            raise InvalidRequest("model_path", f"{config.model_path!r} is not a Hugging Face model: {err}") from None
         self.max_context = hf_config.max_position_embeddings
         self.vocab_size = hf_config.vocab_size
         pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
@@ -103,7 +107,12 @@ class DeepSpeedEngine(TrainingEngine):
             from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
 
             attn = ZORRO_ATTENTION  # split attention for forests, causal SDPA for padded batches
-        model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, ec.dtype), attn_implementation=attn)
+        try:
+            # safetensors only: a model folder's *.bin files are pickles.
+            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, ec.dtype),
+                                                         attn_implementation=attn, use_safetensors=True)
+        except (OSError, ValueError) as err:
+            raise InvalidRequest("model_path", f"{config.model_path!r} has no loadable causal-LM weights: {err}") from None
         # RL needs the trainer's log-probs to match the sampler's: no dropout. The module then stays
         # in train mode for good, so concurrent log_probs and fwd_bwd never flip each other's mode.
         model.config.attention_dropout = 0.0
@@ -132,10 +141,21 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=ResponseLogits(model, self._causal_lm, config.zorro.attention_backend), optimizer=optimizer, model_parameters=params, config=ds_config
         )
+        # DeepSpeed's own loader unpickles with weights_only=False; ours reads data only.
+        self.engine.checkpoint_engine = SafeCheckpointEngine(self.engine._config)
         self.engine.set_gradient_accumulation_boundary(False)
         self.engine.train()
         self._has_gradients = False
         self._steps = 0
+        self._trainable = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+        self._grad_finite: list[torch.Tensor] = []
+        for _, param in self._trainable:
+            param.register_hook(self._record_finite)
+
+    def _record_finite(self, grad: torch.Tensor) -> torch.Tensor:
+        # Flags stay on the device until the backward ends: one sync per micro-batch, not per parameter.
+        self._grad_finite.append(torch.isfinite(grad).all())
+        return grad
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -173,12 +193,12 @@ class DeepSpeedEngine(TrainingEngine):
             if value.dim() != 0:
                 raise ArcticRLError(f"loss {loss.name!r} returned shape {tuple(value.shape)}, expected a scalar")
             if not torch.isfinite(value):
-                raise ArcticRLError(
-                    f"loss {loss.name!r} is {value.item()} in micro-batch {k}; "
-                    f"{'earlier micro-batches of this call already accumulated gradients' if k else 'no gradient was accumulated'}"
-                )
+                raise InvalidRequest("loss", f"loss {loss.name!r} is {value.item()} in micro-batch {k}")
+            self._grad_finite.clear()
             self.engine.backward(value)
             self._has_gradients = True
+            if self._grad_finite and not bool(torch.stack(self._grad_finite).all()):
+                raise InvalidRequest("loss", f"loss {loss.name!r} has non-finite gradients in micro-batch {k}")
             total += value.item()
             for name, m in mb_metrics.items():
                 metrics[name] += float(m)
@@ -202,6 +222,22 @@ class DeepSpeedEngine(TrainingEngine):
     @property
     def steps(self) -> int:
         return self._steps
+
+    def discard_gradients(self) -> None:
+        """Drop every gradient accumulated since the last step, wherever this ZeRO stage keeps it."""
+        opt = self.engine.optimizer
+        self.engine.zero_grad()  # param.grad (stage 0)
+        if opt is not None and hasattr(opt, "zero_grad"):
+            opt.zero_grad(set_to_none=True)  # ZeRO-1/2: param.grad and grad_accum; ZeRO-3: restarts accumulation
+        for name in ("all_grad_tensors", "averaged_gradients"):  # ZeRO-1/2: sums across backward calls
+            held = getattr(opt, name, None)
+            if isinstance(held, dict):
+                held.clear()
+        flat = getattr(opt, "grad_partitions_flat_buffer", None)  # ZeRO-3's accumulated partitions
+        if isinstance(flat, torch.Tensor):
+            flat.zero_()
+        self.engine.set_gradient_accumulation_boundary(False)
+        self._has_gradients = False
 
     def _grad_norm_stage0(self) -> float:
         grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
@@ -259,11 +295,11 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state={**client_state, "steps": self._steps})
 
     def load(self, path: str) -> dict:
-        if not os.path.isdir(os.path.join(path, _CHECKPOINT_TAG)):
-            raise InvalidRequest("path", f"{path!r} holds no Arctic RL checkpoint")
+        shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._trainable}
+        preflight(os.path.join(path, _CHECKPOINT_TAG), shapes)
+        self.discard_gradients()
         _, client_state = self.engine.load_checkpoint(path, tag=_CHECKPOINT_TAG, load_optimizer_states=True)
         self.engine.set_gradient_accumulation_boundary(False)
-        self._has_gradients = False
         self._steps = int(client_state.get("steps", 0))
         return client_state
 

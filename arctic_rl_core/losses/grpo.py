@@ -29,10 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from arctic_rl_core.losses.inputs import LossInputs
 from arctic_rl_core.losses.registry import register_loss_fn
+from arctic_rl_core.types import MAX_VERSION
 
 
 class GRPOConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     eps_clip: float = Field(0.2, ge=0)
     eps_clip_higher: float | None = Field(None, ge=0)
@@ -50,7 +51,7 @@ class GRPOConfig(BaseModel):
     use_decoupled_loss: bool = False
     prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
     behav_imp_weight_cap: float | None = Field(None, gt=0)
-    current_version: int | None = None
+    current_version: int | None = Field(None, ge=0, le=MAX_VERSION)
     """Version of the policy being trained, for loglinear; defaults to the engine's weight version."""
 
     @model_validator(mode="after")
