@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML backend config: the job to load at start (else POST /v1/initialize)")
     p.add_argument("--token", help="bearer token required on every request (or $ARCTIC_RL_TOKEN)")
     p.add_argument("--max-request-mb", type=int, default=1024, help="request body cap")
+    p.add_argument("--checkpoint-dir", default="checkpoints",
+                   help="every checkpoint path a request names must resolve inside this directory (default ./checkpoints)")
+    p.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                   help="a per-request work cap (docs/server.md lists them), e.g. --limit samples_per_prompt=64")
     p.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks (results belong in docs/benchmarks.md)")

@@ -115,8 +115,11 @@ class ArcticRLClient(TrainingAPI):
         return self._core.finish(name, self._send("POST", path, content=body, headers=headers))
 
     def _json(self, method: str, route: str, payload: Any = None) -> dict:
-        response = self._send(method, f"{API_PREFIX}/{route}", headers=self._core.headers,
-                              content=json.dumps(payload).encode() if payload is not None else None)
+        if method == "POST":  # the server requires a content type on every POST
+            response = self._send(method, f"{API_PREFIX}/{route}", content=json.dumps(payload or {}).encode(),
+                                  headers={**self._core.headers, "Content-Type": "application/json"})
+        else:
+            response = self._send(method, f"{API_PREFIX}/{route}", headers=self._core.headers)
         if response.status_code != 200:
             _raise_for(response)
         return response.json()

@@ -213,6 +213,10 @@ def decode(body: bytes | bytearray | memoryview, *, arrays: bool = False) -> Any
             return [resolve(v, depth + 1) for v in value]
         return value
 
+    # Decoded arrays may not add up to more elements than the body carries: a small body whose
+    # references all point at one large tensor would otherwise decode into gigabytes.
+    budget = {name: t.size for name, t in tensors.items()}
+
     def reference(ref):
         name, offset, length = ref.get("$t"), ref.get("o"), ref.get("n")
         if set(ref) != {"$t", "o", "n"} or not isinstance(name, str):
@@ -222,6 +226,9 @@ def decode(body: bytes | bytearray | memoryview, *, arrays: bool = False) -> Any
         if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
                 and offset + length <= tensors[name].size):
             raise WireError(f"array reference [{offset}, +{length}) is outside tensor {name!r} ({tensors[name].size})")
+        budget[name] -= length
+        if budget[name] < 0:
+            raise WireError(f"array references to tensor {name!r} add up to more than its {tensors[name].size} elements")
         part = tensors[name][offset : offset + length]
         return part if arrays else part.tolist()
 

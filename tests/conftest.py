@@ -44,7 +44,7 @@ def make_backend(tiny_model):
 
 
 @pytest.fixture(params=["inprocess", "http"])
-def make_api(request, tiny_model):
+def make_api(request, tiny_model, tmp_path):
     """The training API in process, or through a loopback server wrapping the same backend."""
     from arctic_rl_core.backend import InProcessBackend
     from arctic_rl_core.client import ArcticRLClient
@@ -61,7 +61,7 @@ def make_api(request, tiny_model):
                                                "sampler": LIGHT_SAMPLER})
         if request.param == "inprocess":
             return InProcessBackend(config)
-        server = ServerThread(ServerSettings(port=free_loopback_port()), config)
+        server = ServerThread(ServerSettings(port=free_loopback_port(), checkpoint_dir=str(tmp_path)), config)
         url = server.__enter__()
         servers.append(server)
         return ArcticRLClient(url, retries=0)

@@ -84,7 +84,7 @@ def _bad_requests(backend):
     yield "sequences[0].response_ids", lambda: backend.fwd_bwd([{"prompt_ids": [1], "response_ids": "abc"}], "grpo")
     yield "step", lambda: backend.step()
     yield "learning_rate", lambda: backend.step(learning_rate=-1.0)
-    yield "sampling.max_tokens", lambda: backend.generate([[5, 6]], SamplingParams(max_tokens=0))
+    yield "sampling.max_tokens", lambda: backend.generate([[5, 6]], {"max_tokens": 0})
     yield "prompts[0]", lambda: backend.generate([[5] * 250], SamplingParams(max_tokens=10))
     yield "sampling.stop_token_ids", lambda: backend.generate([[5, 6]], SamplingParams(stop_token_ids=[10**6]))
     yield "path", lambda: backend.load_checkpoint("/nonexistent/checkpoint")

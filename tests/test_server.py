@@ -207,7 +207,7 @@ def test_calls_before_initialize_and_initialize_over_http(tiny_model):
         assert client.status()["initialized"] is True and client.weight_version == 0
         other = httpx.post(f"{url}/v1/initialize", json={"model_path": tiny_model, "engine": {"zero_stage": 1},
                                                          "sampler": LIGHT_SAMPLER})
-        assert other.status_code == 400
+        assert other.status_code == 409 and other.json()["error"]["type"] == "JobConflict"
 
 
 def test_serve_command_line(tiny_model, tmp_path):

@@ -72,6 +72,17 @@ def _digest_update(h: "hashlib._Hash", obj: Any) -> None:
         h.update(repr(obj).encode())
 
 
+def _finite_flag_into(flags: list):
+    """A gradient hook recording whether the gradient is finite. It holds the list, not the engine: a hook
+    holding the engine would keep it (and a ZeRO-3 engine's global config) alive after its last use."""
+    def record(grad: torch.Tensor) -> torch.Tensor:
+        # Flags stay on the device until the backward ends: one sync per micro-batch, not per parameter.
+        flags.append(torch.isfinite(grad).all())
+        return grad
+
+    return record
+
+
 class DeepSpeedEngine(TrainingEngine):
     def __init__(self, config: BackendConfig):
         init_distributed()
@@ -150,12 +161,7 @@ class DeepSpeedEngine(TrainingEngine):
         self._trainable = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
         self._grad_finite: list[torch.Tensor] = []
         for _, param in self._trainable:
-            param.register_hook(self._record_finite)
-
-    def _record_finite(self, grad: torch.Tensor) -> torch.Tensor:
-        # Flags stay on the device until the backward ends: one sync per micro-batch, not per parameter.
-        self._grad_finite.append(torch.isfinite(grad).all())
-        return grad
+            param.register_hook(_finite_flag_into(self._grad_finite))
 
     # -- forward ---------------------------------------------------------------------------------
 

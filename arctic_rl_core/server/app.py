@@ -12,21 +12,25 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from arctic_rl_core import wire
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
-from arctic_rl_core.protocol import API_PREFIX, REQUEST_ID_HEADER, ROUTES, Route
+from arctic_rl_core.protocol import API_PREFIX, REQUEST_ID_HEADER, ROUTES, CheckpointRequest, Route
 from arctic_rl_core.server.buffers import BufferPool
 from arctic_rl_core.server.idempotency import RequestIdConflict, RequestLog
-from arctic_rl_core.server.security import GuardMiddleware
+from arctic_rl_core.server.limits import OverLimit, RequestLimits
+from arctic_rl_core.server.security import GuardMiddleware, confine
 from arctic_rl_core.validation import parse
 
 log = logging.getLogger("arctic_rl.server")
@@ -39,6 +43,23 @@ class ServerSettings:
     token: str | None = None
     max_request_bytes: int = 1 << 30
     read_workers: int = 4
+    checkpoint_dir: str | None = None
+    """Every checkpoint path a request names resolves inside this directory (relative: to the working
+    directory). `arctic-rl serve` defaults to ./checkpoints; unset here, a fresh temporary directory."""
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    header_timeout_s: float = 10.0
+    """From a request's first byte to the end of its headers."""
+    body_timeout_s: float = 30.0
+    """Longest wait for the next piece of a request body."""
+    max_connections: int = 64
+    """Open connections beyond this are answered 503."""
+
+    def checkpoint_root(self) -> str:
+        if self.checkpoint_dir is None:
+            self.checkpoint_dir = tempfile.mkdtemp(prefix="arctic-rl-checkpoints-")
+        root = os.path.realpath(self.checkpoint_dir)
+        os.makedirs(root, exist_ok=True)
+        return root
 
 
 @dataclass
@@ -61,6 +82,14 @@ class RequestTooLarge(InvalidRequest):
     pass
 
 
+class BodyTimeout(InvalidRequest):
+    pass
+
+
+class JobConflict(InvalidRequest):
+    """`initialize` with a configuration other than the running job's."""
+
+
 def _error(status: int, exc: Exception) -> JSONResponse:
     field_ = getattr(exc, "field", None)
     message = getattr(exc, "message", None) or str(exc)
@@ -73,15 +102,27 @@ class Body:
     `async with Body(request, settings, pool) as body:` gives a memoryview valid inside the block.
     """
 
-    def __init__(self, request: Request, cap: int, pool: BufferPool):
-        self.request, self.cap, self.pool = request, cap, pool
+    def __init__(self, request: Request, cap: int, pool: BufferPool, timeout_s: float):
+        self.request, self.cap, self.pool, self.timeout_s = request, cap, pool, timeout_s
         self.buffer = None
+
+    async def _chunks(self):
+        """The body's pieces, each within the deadline: a client that stalls mid-body is cut off."""
+        stream = self.request.stream()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), self.timeout_s)
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                raise BodyTimeout("body", f"no data for {self.timeout_s} s") from None
+            yield chunk
 
     async def __aenter__(self) -> memoryview:
         declared = self.request.headers.get("content-length")
         if declared is None:  # chunked upload: grow as it comes
             data = bytearray()
-            async for chunk in self.request.stream():
+            async for chunk in self._chunks():
                 if len(data) + len(chunk) > self.cap:
                     raise RequestTooLarge("body", f"more than the server's cap of {self.cap} bytes")
                 data.extend(chunk)
@@ -90,7 +131,7 @@ class Body:
         self.buffer = self.pool.acquire(expected)
         view = memoryview(self.buffer)
         size = 0
-        async for chunk in self.request.stream():
+        async for chunk in self._chunks():
             if size + len(chunk) > expected:
                 raise wire.WireError(f"body is longer than its declared {expected} bytes")
             view[size : size + len(chunk)] = chunk
@@ -108,7 +149,7 @@ class Body:
 def _decode(body: memoryview, content_type: str) -> Any:
     if content_type.startswith(wire.MEDIA_TYPE):
         return wire.decode(body)
-    if content_type.startswith("application/json") or not content_type:
+    if content_type.startswith("application/json"):
         if not len(body):
             return {}
         try:
@@ -130,17 +171,29 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
     job = JobState(backend_factory=backend_factory,
                    reads=ThreadPoolExecutor(settings.read_workers, thread_name_prefix="arctic-read"),
                    buffers=BufferPool(max_pooled_bytes=2 * settings.max_request_bytes))
+    checkpoint_root = settings.checkpoint_root()
 
     def read(request: Request) -> Body:
-        return Body(request, settings.max_request_bytes, job.buffers)
+        return Body(request, settings.max_request_bytes, job.buffers, settings.body_timeout_s)
     app.state.job = job
     app.add_middleware(GuardMiddleware, token=settings.token, max_request_bytes=settings.max_request_bytes)
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request, exc: InvalidRequest):
-        if isinstance(exc, RequestTooLarge):
+        if isinstance(exc, (RequestTooLarge, OverLimit)):
             return _error(413, exc)
-        return _error(409 if isinstance(exc, RequestIdConflict) else 400, exc)
+        if isinstance(exc, BodyTimeout):
+            return _error(408, exc)
+        return _error(409 if isinstance(exc, (RequestIdConflict, JobConflict)) else 400, exc)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        # Unknown routes and wrong methods answer in the same shape as every other error.
+        field_ = "method" if exc.status_code == 405 else "path"
+        return JSONResponse({"error": {"type": type(exc).__name__ if exc.status_code not in (404, 405) else
+                                       ("NotFound" if exc.status_code == 404 else "MethodNotAllowed"),
+                                       "field": field_, "message": f"{request.method} {request.url.path}: {exc.detail}"}},
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(NoJob)
     async def no_job(request, exc):
@@ -174,7 +227,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
             config = parse(BackendConfig, _decode(body, request.headers.get("content-type", "")), "")
         if job.api is not None:
             if config != job.config:
-                raise InvalidRequest("body", "a job with a different configuration is already running on this server")
+                raise JobConflict("body", "a job with a different configuration is already running on this server")
             return {"initialized": True, "config": job.config.model_dump()}
 
         def load():
@@ -207,6 +260,9 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                 if job.api is None:
                     raise NoJob(f"no job is initialized: POST {API_PREFIX}/initialize first")
                 query = parse(route.request, _decode(body, content_type), "")
+                settings.limits.check(route.name, query)
+                if isinstance(query, CheckpointRequest):
+                    query.path = confine(checkpoint_root, query.path)
                 fingerprint = hashlib.sha256(route.name.encode() + body).hexdigest()
             if route.ordered:
                 request_id = request.headers.get(REQUEST_ID_HEADER)

@@ -10,6 +10,8 @@ import uvicorn
 
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.server.app import ServerSettings, create_app
+from arctic_rl_core.server.connections import timed_protocol
+from arctic_rl_core.server.limits import RequestLimits
 from arctic_rl_core.server.security import TOKEN_ENV, check_bind
 
 
@@ -25,7 +27,8 @@ def build_server(settings: ServerSettings, config: BackendConfig | None = None, 
     if config is not None:
         app.state.job.api, app.state.job.config = backend_factory(config), config
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                           http="httptools", lifespan="off"))
+                                           http=timed_protocol(settings.header_timeout_s), lifespan="off",
+                                           limit_concurrency=settings.max_connections, timeout_keep_alive=5))
     app.state.job.shutdown = lambda: setattr(server, "should_exit", True)
     return server
 
@@ -66,8 +69,16 @@ def main(args) -> int:
     if args.config:
         with open(args.config) as f:
             config = parse(BackendConfig, yaml.safe_load(f), args.config)
-    settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20)
+    limits = RequestLimits()
+    for item in args.limit:
+        name, _, value = item.partition("=")
+        if name not in RequestLimits.names() or not value.isdigit():
+            raise SystemExit(f"--limit {item}: expected NAME=INTEGER with NAME one of {', '.join(RequestLimits.names())}")
+        setattr(limits, name, int(value))
+    settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20,
+                              checkpoint_dir=args.checkpoint_dir, limits=limits)
     server = build_server(settings, config)
-    print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'})", flush=True)
+    print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
+          f"checkpoints under {settings.checkpoint_root()})", flush=True)
     server.run()
     return 0

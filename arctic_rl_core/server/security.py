@@ -2,7 +2,11 @@
 
 Loopback binds need no token; any other bind requires one, and once a token
 is set every request must carry it (`Authorization: Bearer ...`), compared in
-constant time. Bodies over the cap are refused before they are read.
+constant time. Without a token, only loopback `Host` values and loopback (or
+no) `Origin`s are served: a web page in the user's browser cannot reach the
+server by DNS rebinding or a cross-site form. Every POST names its content
+type. Bodies over the cap are refused before they are read; checkpoint paths
+stay inside the server's checkpoint directory.
 """
 
 from __future__ import annotations
@@ -10,6 +14,10 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import os
+from urllib.parse import urlsplit
+
+from arctic_rl_core.errors import InvalidRequest
 
 TOKEN_ENV = "ARCTIC_RL_TOKEN"
 
@@ -23,6 +31,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _host_of(authority: str) -> str:
+    """'127.0.0.1:7000' -> '127.0.0.1'; '[::1]:7000' -> '::1'."""
+    try:
+        return urlsplit(f"//{authority}").hostname or ""
+    except ValueError:
+        return ""
+
+
 def check_bind(host: str, token: str | None) -> None:
     if not is_loopback(host) and not token:
         raise SystemExit(
@@ -30,8 +46,18 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
+def confine(root: str, path: str) -> str:
+    """`path` (relative to `root`, or absolute) resolved with its symlinks; refused unless inside `root`."""
+    if "\x00" in path:
+        raise InvalidRequest("path", "must not contain NUL")
+    resolved = os.path.realpath(os.path.join(root, path))
+    if resolved == root or os.path.commonpath([root, resolved]) != root:
+        raise InvalidRequest("path", f"{path!r} is outside the server's checkpoint directory {root}")
+    return resolved
+
+
 class GuardMiddleware:
-    """ASGI middleware: token check and request-size cap on every HTTP request."""
+    """ASGI middleware: token or loopback origin, content type and request-size cap on every HTTP request."""
 
     def __init__(self, app, token: str | None, max_request_bytes: int):
         self.app = app
@@ -48,6 +74,18 @@ class GuardMiddleware:
                 missing = not given
                 return await _error(send, 401, "Unauthorized", "authorization",
                                     "a bearer token is required" if missing else "the bearer token is wrong")
+        else:
+            host = headers.get(b"host", b"").decode("latin-1")
+            if not is_loopback(_host_of(host)):
+                return await _error(send, 403, "Forbidden", "host",
+                                    f"{host!r} is not a loopback host; without a token only loopback is served")
+            origin = headers.get(b"origin")
+            if origin is not None and not is_loopback(urlsplit(origin.decode("latin-1")).hostname or ""):
+                return await _error(send, 403, "Forbidden", "origin",
+                                    "cross-origin requests are refused; without a token only loopback pages are served")
+        if scope["method"] == "POST" and not headers.get(b"content-type"):
+            return await _error(send, 415, "InvalidRequest", "content-type",
+                                "every POST names its content type (application/json or the wire format)")
         length = headers.get(b"content-length")
         if length is not None:
             try:
