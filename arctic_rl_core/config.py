@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from arctic_rl_core.types import MAX_LEARNING_RATE
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -24,7 +26,7 @@ class EngineConfig(_Config):
     name: str = "deepspeed"
     zero_stage: int = Field(2, ge=0, le=3)
     dtype: Dtype = "float32"
-    learning_rate: float = Field(1e-5, gt=0, le=10.0)
+    learning_rate: float = Field(1e-5, gt=0, le=MAX_LEARNING_RATE)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
