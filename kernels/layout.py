@@ -28,6 +28,7 @@ class ForestLayout:
     """One past the last packed index of each segment's subtree (== end for a leaf)."""
     num_tokens: int
     _buckets: list = field(default=None, compare=False, repr=False)
+    _positions: torch.Tensor = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         n = len(self.starts)
@@ -62,11 +63,31 @@ class ForestLayout:
             out[s:e] = t
         return out
 
-    def dense_mask(self) -> torch.Tensor:
-        """[N, N] boolean visibility (for the reference implementation and tests only)."""
+    def positions(self) -> torch.Tensor:
+        """[N] position of each packed token in its sequence: its segment's depth plus its offset.
+        A segment's depth is the total length of the segments enclosing it."""
+        if self._positions is None:
+            out = torch.empty(self.num_tokens, dtype=torch.long)
+            enclosing: list[tuple[int, int]] = []  # (subtree end, depth after the segment) of open ancestors
+            for s, e, t in zip(self.starts, self.ends, self.subtree_ends):
+                while enclosing and enclosing[-1][0] <= s:
+                    enclosing.pop()
+                depth = enclosing[-1][1] if enclosing else 0
+                out[s:e] = torch.arange(depth, depth + e - s)
+                enclosing.append((t, depth + e - s))
+            object.__setattr__(self, "_positions", out)
+        return self._positions
+
+    def dense_mask(self, window: int | None = None) -> torch.Tensor:
+        """[N, N] boolean visibility (for the reference implementation and tests only). With a sliding
+        `window`, a key is also hidden from queries `window` or more positions after it."""
         idx = torch.arange(self.num_tokens)
         q, k = idx[:, None], idx[None, :]
-        return (k <= q) & (q < self.token_subtree_ends()[None, :])
+        mask = (k <= q) & (q < self.token_subtree_ends()[None, :])
+        if window is not None:
+            pos = self.positions()
+            mask &= (pos[:, None] - pos[None, :]) < window
+        return mask
 
     def cross_parts(self) -> list[tuple[int, int, int, int]]:
         """(key_start, key_end, query_start, query_end): a segment's tokens seen, unmasked, by its whole subtree."""

@@ -26,73 +26,114 @@ _PAD_LSE = 1e30
 
 
 @dataclass(frozen=True)
+class ScoreMods:
+    """What some families do to attention scores beyond `scale * q.k`. Positions are each token's
+    position in its sequence, so a window spans the prefix boundary as it would in the unshared sequence."""
+
+    softcap: float | None = None
+    """Scores become `softcap * tanh(score / softcap)` (Gemma 2)."""
+    window: int | None = None
+    """Sliding window: a key is hidden from queries `window` or more positions after it."""
+
+    @property
+    def active(self) -> bool:
+        return self.softcap is not None or self.window is not None
+
+
+NO_MODS = ScoreMods()
+
+
+@dataclass(frozen=True)
 class AttentionOps:
-    """forward(q, k, v, causal, scale) -> (out, lse); backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv).
-    Tensors are [B, H, L, D]; lse is [B, H, L] in float32."""
+    """forward(q, k, v, causal, scale, mods, q_pos, k_pos) -> (out, lse);
+    backward(dout, q, k, v, out, lse, causal, scale, mods, q_pos, k_pos) -> (dq, dk, dv).
+    Tensors are [B, H, L, D]; lse is [B, H, L] in float32; q_pos/k_pos are [L] positions (for windows).
+    A row that sees no key gets lse -inf and output 0."""
 
     name: str
     forward: Callable
     backward: Callable
+    supports_mods: bool
 
 
-def _cpu_flash_forward(q, k, v, causal, scale):
+def _cpu_flash_forward(q, k, v, causal, scale, mods, q_pos, k_pos):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mods, q_pos, k_pos):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
 _QUERY_TILE = 1024
 
 
-def _scores(q, k, causal, scale, q_offset):
+def _scores(q, k, causal, scale, mods: ScoreMods, q_pos, k_pos):
+    """Modified, masked scores and, with a softcap, d(capped)/d(raw) for backward."""
     s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    slope = None
+    if mods.softcap is not None:
+        t = torch.tanh(s / mods.softcap)
+        s, slope = mods.softcap * t, 1 - t * t
+    hidden = None
     if causal:
-        rows = torch.arange(q_offset, q_offset + q.shape[-2], device=q.device)[:, None]
-        s = s.masked_fill(torch.arange(k.shape[-2], device=q.device)[None, :] > rows, float("-inf"))
-    return s
+        hidden = k_pos[None, :] > q_pos[:, None]
+    if mods.window is not None:
+        outside = (q_pos[:, None] - k_pos[None, :]) >= mods.window
+        hidden = outside if hidden is None else hidden | outside
+    if hidden is not None:
+        s = s.masked_fill(hidden, float("-inf"))
+    return s, slope
 
 
-def _math_forward(q, k, v, causal, scale):
+def _positions(pos, n, device):
+    return torch.arange(n, device=device) if pos is None else pos
+
+
+def _math_forward(q, k, v, causal, scale, mods=NO_MODS, q_pos=None, k_pos=None):
+    q_pos, k_pos = _positions(q_pos, q.shape[-2], q.device), _positions(k_pos, k.shape[-2], q.device)
     outs, lses = [], []
     for t in range(0, q.shape[-2], _QUERY_TILE):
-        s = _scores(q[..., t : t + _QUERY_TILE, :], k, causal, scale, t)
+        s, _ = _scores(q[..., t : t + _QUERY_TILE, :], k, causal, scale, mods, q_pos[t : t + _QUERY_TILE], k_pos)
         lse = torch.logsumexp(s, dim=-1)
-        outs.append((torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype))
+        safe = lse.masked_fill(torch.isneginf(lse), 0.0)  # a row that sees nothing: exp(-inf) == 0, not nan
+        outs.append((torch.exp(s - safe[..., None]) @ v.float()).to(q.dtype))
         lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, mods=NO_MODS, q_pos=None, k_pos=None):
+    q_pos, k_pos = _positions(q_pos, q.shape[-2], q.device), _positions(k_pos, k.shape[-2], q.device)
     dq = torch.empty_like(q, dtype=torch.float32)
     dk = torch.zeros_like(k, dtype=torch.float32)
     dv = torch.zeros_like(v, dtype=torch.float32)
     for t in range(0, q.shape[-2], _QUERY_TILE):
         sl = slice(t, t + _QUERY_TILE)
         qt, dot = q[..., sl, :].float(), dout[..., sl, :].float()
-        p = torch.exp(_scores(qt, k, causal, scale, t) - lse[..., sl, None])
+        s, slope = _scores(qt, k, causal, scale, mods, q_pos[sl], k_pos)
+        p = torch.exp(s - lse[..., sl, None])
         dv += p.transpose(-1, -2) @ dot
         dp = dot @ v.float().transpose(-1, -2)
         delta = (dot * out[..., sl, :].float()).sum(-1, keepdim=True)
         ds = p * (dp - delta)
+        if slope is not None:
+            ds = ds * slope
         dq[..., sl, :] = (ds @ k.float()) * scale
         dk += (ds.transpose(-1, -2) @ qt) * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-CPU_FLASH = AttentionOps("cpu_flash", _cpu_flash_forward, _cpu_flash_backward)
-MATH = AttentionOps("math", _math_forward, _math_backward)
+CPU_FLASH = AttentionOps("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, supports_mods=False)
+MATH = AttentionOps("math", _math_forward, _math_backward, supports_mods=True)
 BACKENDS = {"cpu_flash": CPU_FLASH, "math": MATH}
 
 
-def select_ops(name: str, device: torch.device) -> AttentionOps:
-    if name == "auto":
-        return CPU_FLASH if device.type == "cpu" else MATH
-    if name not in BACKENDS:
+def select_ops(name: str, device: torch.device, mods: ScoreMods = NO_MODS) -> AttentionOps:
+    if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown split-attention backend {name!r}; choose auto, {', '.join(BACKENDS)}")
-    return BACKENDS[name]
+    ops = (CPU_FLASH if device.type == "cpu" else MATH) if name == "auto" else BACKENDS[name]
+    # Flash primitives take no score modification: such layers (windows, softcaps) run the math ones.
+    return MATH if mods.active and not ops.supports_mods else ops
 
 
 def _bucket_index(layout: ForestLayout, members: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,41 +152,60 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x[:, idx].permute(1, 0, 2, 3)
 
 
-def _forward(q, k, v, layout: ForestLayout, scale: float, ops: AttentionOps):
+def _cross_parts(layout: ForestLayout, mods: ScoreMods, pos: torch.Tensor | None):
+    """(key_start, key_end, query_start, query_end, query positions, key positions) of every part some query sees."""
+    for ks, ke, qs, qe in layout.cross_parts():
+        if mods.window is None:
+            yield ks, ke, qs, qe, None, None
+            continue
+        q_pos, k_pos = pos[qs:qe], pos[ks:ke]
+        if int(q_pos.min()) - int(k_pos.max()) < mods.window:  # else the window hides the whole prefix
+            yield ks, ke, qs, qe, q_pos, k_pos
+
+
+def _forward(q, k, v, layout: ForestLayout, scale: float, ops: AttentionOps, mods: ScoreMods, pos, sinks):
     H, N, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
     buckets = []
     for members, width in layout.self_buckets():
         idx, valid = _bucket_index(layout, members, width, q.device)
-        o, l = ops.forward(_gather(q, idx), _gather(k, idx), _gather(v, idx), True, scale)
+        # Within a segment, positions differ as local indices do: the default positions serve.
+        o, l = ops.forward(_gather(q, idx), _gather(k, idx), _gather(v, idx), True, scale, mods, None, None)
         flat = idx[valid]
         out[:, flat] = o.permute(1, 0, 2, 3)[:, valid]
         lse[:, flat] = l.permute(1, 0, 2)[:, valid]
         buckets.append((idx, valid))
-    for ks, ke, qs, qe in layout.cross_parts():
-        o, l = ops.forward(q[None, :, qs:qe], k[None, :, ks:ke], v[None, :, ks:ke], False, scale)
+    for ks, ke, qs, qe, q_pos, k_pos in _cross_parts(layout, mods, pos):
+        o, l = ops.forward(q[None, :, qs:qe], k[None, :, ks:ke], v[None, :, ks:ke], False, scale, mods, q_pos, k_pos)
         o, l = o[0], l[0]
         merged = torch.logaddexp(lse[:, qs:qe], l)
         out[:, qs:qe] = (
             out[:, qs:qe].float() * torch.exp(lse[:, qs:qe] - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
         ).to(q.dtype)
         lse[:, qs:qe] = merged
+    if sinks is not None:
+        # A sink is one more logit per head in every row's softmax, with a zero value: one more LSE merge.
+        merged = torch.logaddexp(lse, sinks.float()[:, None])
+        out = (out.float() * torch.exp(lse - merged)[..., None]).to(q.dtype)
+        lse = merged
     return out, lse, buckets
 
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, scale, ops):
-        out, lse, buckets = _forward(q, k, v, layout, scale, ops)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.scale, ctx.ops, ctx.buckets = layout, scale, ops, buckets
+    def forward(ctx, q, k, v, sinks, layout, scale, ops, mods):
+        pos = layout.positions().to(q.device) if mods.window is not None else None
+        out, lse, buckets = _forward(q, k, v, layout, scale, ops, mods, pos, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.layout, ctx.scale, ctx.ops, ctx.mods, ctx.pos, ctx.buckets = layout, scale, ops, mods, pos, buckets
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        layout, scale, ops = ctx.layout, ctx.scale, ctx.ops
+        # Every part's backward is fed the merged output and LSE (sink included): that gives its exact share.
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        layout, scale, ops, mods = ctx.layout, ctx.scale, ctx.ops, ctx.mods
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=torch.float32)
         dk = torch.zeros_like(k, dtype=torch.float32)
@@ -154,25 +214,42 @@ class _SplitAttention(torch.autograd.Function):
             keep = valid[:, None, :, None]
             g_out = _gather(dout, idx) * keep
             g_lse = _gather(lse[..., None], idx)[..., 0].masked_fill(~valid[:, None, :], _PAD_LSE)
-            gq, gk, gv = ops.backward(g_out, _gather(q, idx), _gather(k, idx), _gather(v, idx), _gather(out, idx) * keep, g_lse, True, scale)
+            gq, gk, gv = ops.backward(g_out, _gather(q, idx), _gather(k, idx), _gather(v, idx), _gather(out, idx) * keep,
+                                      g_lse, True, scale, mods, None, None)
             flat = idx[valid]
             dq[:, flat] += gq.permute(1, 0, 2, 3)[:, valid].float()
             dk[:, flat] += gk.permute(1, 0, 2, 3)[:, valid].float()
             dv[:, flat] += gv.permute(1, 0, 2, 3)[:, valid].float()
-        for ks, ke, qs, qe in layout.cross_parts():
+        for ks, ke, qs, qe, q_pos, k_pos in _cross_parts(layout, mods, ctx.pos):
             gq, gk, gv = ops.backward(
                 dout[None, :, qs:qe], q[None, :, qs:qe], k[None, :, ks:ke], v[None, :, ks:ke],
-                out[None, :, qs:qe], lse[None, :, qs:qe].contiguous(), False, scale,
+                out[None, :, qs:qe], lse[None, :, qs:qe].contiguous(), False, scale, mods, q_pos, k_pos,
             )
             dq[:, qs:qe] += gq[0].float()
             dk[:, ks:ke] += gk[0].float()
             dv[:, ks:ke] += gv[0].float()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d lse_total / d sink = p_sink; the sink's value is 0, so dL/dsink = -sum_rows p_sink * (dout . out).
+            delta = (dout.float() * out.float()).sum(-1)
+            dsinks = (-(torch.exp(sinks.float()[:, None] - lse) * delta).sum(-1)).to(sinks.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ForestLayout, scale: float,
-                    backend: str = "auto") -> torch.Tensor:
-    """q, k, v: [H, N, D] over the packed tokens (K/V already expanded to the query heads); returns [H, N, D]."""
+                    backend: str = "auto", *, softcap: float | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q, k, v: [H, N, D] over the packed tokens (K/V already expanded to the query heads); returns [H, N, D].
+
+    `softcap` and `window` modify scores as `ScoreMods` says; `sinks` ([H], GPT-OSS) adds one logit per
+    head to every row's softmax denominator. A window no shorter than the longest sequence is plain causal."""
     if q.shape[1] != layout.num_tokens:
         raise ValueError(f"layout covers {layout.num_tokens} tokens but the input has {q.shape[1]}")
-    return _SplitAttention.apply(q, k, v, layout, scale, select_ops(backend, q.device))
+    if window is not None and window <= 0:
+        raise ValueError(f"a sliding window must be positive, got {window}")
+    if window is not None and window > int(layout.positions().max()):
+        window = None
+    if sinks is not None and sinks.shape != (q.shape[0],):
+        raise ValueError(f"sinks must hold one logit per head ({q.shape[0]}), got shape {tuple(sinks.shape)}")
+    mods = ScoreMods(softcap=softcap, window=window)
+    return _SplitAttention.apply(q, k, v, sinks, layout, scale, select_ops(backend, q.device, mods), mods)
