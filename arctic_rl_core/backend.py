@@ -251,7 +251,12 @@ class InProcessBackend(TrainingAPI):
         }
 
     def set_zorro(self, enable: bool) -> None:
-        """Turn ZoRRo packing on or off for later calls (benchmarks compare both on one engine)."""
+        """Turn ZoRRo packing on or off for later calls (benchmarks compare both on one engine). Both run
+        the split attention the engine loaded and checked, so the numbers are the same; an engine loaded
+        with ZoRRo off runs the model's own attention, which cannot take a packed forest."""
+        if enable and not getattr(self.engine, "zorro_loaded", False):
+            raise InvalidRequest("zorro.enable", "this engine loaded its model with ZoRRo off (the model's own "
+                                                 "attention); load it with zorro.enable=true to switch ZoRRo at run time")
         with self._train_lock:
             self.config.zorro.enable = bool(enable)
 

@@ -128,12 +128,13 @@ MATH = AttentionOps("math", _math_forward, _math_backward, supports_mods=True)
 BACKENDS = {"cpu_flash": CPU_FLASH, "math": MATH}
 
 
-def select_ops(name: str, device: torch.device, mods: ScoreMods = NO_MODS) -> AttentionOps:
+def select_ops(name: str, device: torch.device, mods: ScoreMods = NO_MODS, equal_head_dims: bool = True) -> AttentionOps:
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown split-attention backend {name!r}; choose auto, {', '.join(BACKENDS)}")
     ops = (CPU_FLASH if device.type == "cpu" else MATH) if name == "auto" else BACKENDS[name]
-    # Flash primitives take no score modification: such layers (windows, softcaps) run the math ones.
-    return MATH if mods.active and not ops.supports_mods else ops
+    # Flash primitives take no score modification and one head size for Q, K and V: layers with windows,
+    # softcaps or a different value head size (multi-latent attention) run the math ones.
+    return MATH if (mods.active or not equal_head_dims) and not ops.supports_mods else ops
 
 
 def _bucket_index(layout: ForestLayout, members: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,8 +165,8 @@ def _cross_parts(layout: ForestLayout, mods: ScoreMods, pos: torch.Tensor | None
 
 
 def _forward(q, k, v, layout: ForestLayout, scale: float, ops: AttentionOps, mods: ScoreMods, pos, sinks):
-    H, N, D = q.shape
-    out = torch.empty_like(q)
+    H, N, _ = q.shape
+    out = q.new_empty((H, N, v.shape[-1]))
     lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
     buckets = []
     for members, width in layout.self_buckets():
@@ -239,7 +240,8 @@ class _SplitAttention(torch.autograd.Function):
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ForestLayout, scale: float,
                     backend: str = "auto", *, softcap: float | None = None, window: int | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q, k, v: [H, N, D] over the packed tokens (K/V already expanded to the query heads); returns [H, N, D].
+    """q, k: [H, N, D] and v: [H, N, Dv] over the packed tokens (K/V already expanded to the query heads);
+    returns [H, N, Dv].
 
     `softcap` and `window` modify scores as `ScoreMods` says; `sinks` ([H], GPT-OSS) adds one logit per
     head to every row's softmax denominator. A window no shorter than the longest sequence is plain causal."""
@@ -252,4 +254,5 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: F
     if sinks is not None and sinks.shape != (q.shape[0],):
         raise ValueError(f"sinks must hold one logit per head ({q.shape[0]}), got shape {tuple(sinks.shape)}")
     mods = ScoreMods(softcap=softcap, window=window)
-    return _SplitAttention.apply(q, k, v, sinks, layout, scale, select_ops(backend, q.device, mods), mods)
+    ops = select_ops(backend, q.device, mods, equal_head_dims=v.shape[-1] == q.shape[-1])
+    return _SplitAttention.apply(q, k, v, sinks, layout, scale, ops, mods)

@@ -144,3 +144,18 @@ def test_window_longer_than_every_sequence_is_plain_causal():
     assert torch.equal(split_attention(q, k, v, layout, 0.3, backend="cpu_flash", window=long),
                        split_attention(q, k, v, layout, 0.3, backend="cpu_flash"))
     assert not torch.equal(split_attention(q, k, v, layout, 0.3, window=long - 1), split_attention(q, k, v, layout, 0.3))
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+def test_value_head_size_may_differ(backend):
+    """Multi-latent attention (DeepSeek V2/V3) has values narrower than queries and keys."""
+    layout = random_forest(random.Random(4), trees=2, max_children=3, max_len=8, depth=2)
+    q, k = (torch.randn(2, layout.num_tokens, 12, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, layout.num_tokens, 8, requires_grad=True)
+    fast = split_attention(q, k, v, layout, 0.3, backend=backend)
+    ref = split_attention_reference(q, k, v, layout, 0.3)
+    assert fast.shape == (2, layout.num_tokens, 8)
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
+    dout = torch.randn_like(ref)
+    for gf, gr in zip(torch.autograd.grad(fast, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert (gf - gr).norm() <= 1e-5 * gr.norm()

@@ -1,5 +1,6 @@
 """ZoRRo parity: per-token log-probs, loss and every parameter's gradient equal the unshared
-computation (a right-padded batch, one sequence per row) for Qwen3, Qwen2 and Llama."""
+computation (a right-padded batch, one sequence per row, with the model's own SDPA attention) for
+Qwen3, Qwen2 and Llama. tests/test_model_families.py sweeps every other family."""
 
 import random
 
@@ -11,6 +12,7 @@ from arctic_rl_core.batching import build_micro_batches
 from arctic_rl_core.engines.response_logits import ResponseLogits
 from arctic_rl_core.losses.grpo import GRPOConfig, grpo_loss
 from arctic_rl_core.losses.post_processors import compute_logprobs
+from arctic_rl_core.models.head import output_head
 from arctic_rl_core.types import Sequence
 from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
 
@@ -61,13 +63,16 @@ def models(tiny_models):
             for p in model.parameters():
                 if p.dim() > 1:
                     p.mul_(4.0)
-        out[family] = model
+        # The reference: the same weights with transformers' own SDPA attention.
+        reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+        reference.load_state_dict(model.state_dict())
+        out[family] = (model, reference)
     return out
 
 
 def run(model, sequences, forest, budget=100_000, backend="auto"):
     model.zero_grad(set_to_none=True)
-    wrapper = ResponseLogits(model, model, zorro_backend=backend)
+    wrapper = ResponseLogits(model, model, output_head(model.config), zorro_backend=backend)
     logprobs = [None] * len(sequences)
     total = 0.0
     for mb in build_micro_batches(sequences, token_budget=budget, weight_version=0, forest=forest):
@@ -84,8 +89,9 @@ def run(model, sequences, forest, budget=100_000, backend="auto"):
     return torch.cat(logprobs), total, grads
 
 
-def assert_parity(model, sequences, **forest_kwargs):
-    lp_ref, loss_ref, g_ref = run(model, sequences, forest=False)
+def assert_parity(models, sequences, **forest_kwargs):
+    model, reference = models
+    lp_ref, loss_ref, g_ref = run(reference, sequences, forest=False)
     lp, loss, g = run(model, sequences, forest=True, **forest_kwargs)
     assert (lp - lp_ref).abs().max() <= 1e-5 * lp_ref.abs().max()
     assert loss == pytest.approx(loss_ref, rel=1e-5, abs=1e-7)

@@ -28,6 +28,9 @@ from arctic_rl_core.engines.distributed import init_distributed
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.losses.inputs import LossInputs
 from arctic_rl_core.losses.registry import POST_PROCESSORS, Registered
+from arctic_rl_core.models.exactness import check_exactness, check_features
+from arctic_rl_core.models.head import output_head
+from arctic_rl_core.models.loading import load_causal_lm
 
 _CHECKPOINT_TAG = "state"
 
@@ -87,7 +90,7 @@ class DeepSpeedEngine(TrainingEngine):
     def __init__(self, config: BackendConfig):
         init_distributed()
         import deepspeed
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
         from transformers.integrations import HfDeepSpeedConfig
 
         ec = config.engine
@@ -103,6 +106,9 @@ class DeepSpeedEngine(TrainingEngine):
             hf_config = AutoConfig.from_pretrained(config.model_path)
         except (OSError, ValueError, KeyError) as err:
             raise InvalidRequest("model_path", f"{config.model_path!r} is not a Hugging Face model: {err}") from None
+        self.zorro_loaded = config.zorro.enable
+        if self.zorro_loaded:
+            check_features(hf_config)
         self.max_context = hf_config.max_position_embeddings
         self.vocab_size = hf_config.vocab_size
         pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
@@ -112,24 +118,14 @@ class DeepSpeedEngine(TrainingEngine):
         ds_config = deepspeed_config(ec)
         # Kept alive while the model loads: from_pretrained then partitions weights as it reads them (ZeRO-3).
         self._hf_ds_config = HfDeepSpeedConfig(ds_config) if ec.zero_stage == 3 else None
-        self.zorro = config.zorro
         attn = ec.attn_implementation
-        if config.zorro.enable:
+        if self.zorro_loaded:
             from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
 
-            attn = ZORRO_ATTENTION  # split attention for forests, causal SDPA for padded batches
-        try:
-            # safetensors only: a model folder's *.bin files are pickles.
-            model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=getattr(torch, ec.dtype),
-                                                         attn_implementation=attn, use_safetensors=True)
-        except (OSError, ValueError) as err:
-            raise InvalidRequest("model_path", f"{config.model_path!r} has no loadable causal-LM weights: {err}") from None
-        # RL needs the trainer's log-probs to match the sampler's: no dropout. The module then stays
-        # in train mode for good, so concurrent log_probs and fwd_bwd never flip each other's mode.
-        model.config.attention_dropout = 0.0
-        for module in model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+            attn = ZORRO_ATTENTION  # split attention for forests and for padded batches alike
+        # The module stays in train mode for good (no dropout anywhere), so concurrent log_probs and
+        # fwd_bwd never flip each other's mode.
+        model = load_causal_lm(config.model_path, hf_config, getattr(torch, ec.dtype), attn, self.zorro_loaded)
         if ec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
@@ -149,9 +145,12 @@ class DeepSpeedEngine(TrainingEngine):
         optimizer = None
         if "optimizer" not in ds_config:
             optimizer = torch.optim.AdamW(params, lr=ec.learning_rate, betas=ec.betas, eps=ec.eps, weight_decay=ec.weight_decay)
+        wrapper = ResponseLogits(model, self._causal_lm, output_head(hf_config), config.zorro.attention_backend)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=ResponseLogits(model, self._causal_lm, config.zorro.attention_backend), optimizer=optimizer, model_parameters=params, config=ds_config
+            model=wrapper, optimizer=optimizer, model_parameters=params, config=ds_config
         )
+        check_exactness(self.engine, wrapper, self._causal_lm, zorro=self.zorro_loaded, pad_id=self.pad_token_id,
+                        vocab_size=self.vocab_size, device=self.device, dtype=getattr(torch, ec.dtype))
         # DeepSpeed's own loader unpickles with weights_only=False; ours reads data only.
         self.engine.checkpoint_engine = SafeCheckpointEngine(self.engine._config)
         self.engine.set_gradient_accumulation_boundary(False)

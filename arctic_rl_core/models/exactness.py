@@ -1,0 +1,152 @@
+"""Load-time checks that the engine's log-probs are the model's own, or a refusal naming why.
+
+Three checks on a tiny probe batch (a shared prefix with two continuations, and an unrelated
+sequence), each a clear `InvalidRequest` at load instead of wrong numbers at the first call:
+
+- **features**: model types and settings split attention cannot honour, refused by name
+  (`zorro_refusals`, before any weight is read);
+- **output head**: the engine's head (`OutputHead`) against the model's own `forward(...).logits`;
+- **packing** (ZoRRo): every attention call must receive the layout; the packed forest's
+  log-probs must equal one sequence per row; and a packed sequence's log-probs must not change
+  when the sequences packed before it do. This catches decoder layers that drop the layout,
+  attention that bypasses transformers' attention interface or is not causal, and layers other
+  than attention (recurrent or convolutional mixers) that would mix the packed sequences, in
+  half precision as in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arctic_rl_core.errors import InvalidRequest
+
+# Probe log-prob differences allowed: rounding, not a different computation. A dropped layout or
+# a mixed pack moves random tiny models by nats and real ones by far more than half-precision noise.
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8}
+_HALF_TOLERANCE = 5e-2
+_MIXING_TOLERANCE = 1e-5
+
+_DISABLE = "set zorro.enable=false to train it with its own attention"
+
+
+def zorro_refusals(config) -> list[str]:
+    """Settings of `config` that split attention cannot compute, by name."""
+    text = config.get_text_config()
+    found = []
+    if getattr(text, "attention_chunk_size", None):
+        found.append(f"chunked attention (attention_chunk_size={text.attention_chunk_size})")
+    if getattr(text, "use_bidirectional_attention", False):
+        found.append("bidirectional attention (use_bidirectional_attention)")
+    if getattr(config, "is_encoder_decoder", False):
+        found.append("an encoder-decoder architecture")
+    return found
+
+
+def check_features(config) -> None:
+    found = zorro_refusals(config)
+    if found:
+        raise InvalidRequest("zorro.enable", f"{config.model_type}: ZoRRo's split attention does not support "
+                                             f"{', '.join(found)}; {_DISABLE}")
+
+
+def _configured_window(config) -> int | None:
+    """The sliding window some layer of `config` uses, if any."""
+    text = config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    if not window or getattr(text, "use_sliding_window", True) is False:
+        return None
+    types = getattr(text, "layer_types", None)
+    if types is not None and not any("sliding" in str(t) for t in types):
+        return None
+    return window
+
+
+def _probe_sequences(vocab_size: int, seed: int = 0, last=None):
+    """Two sequences sharing a prefix, then `last` (default: a random one). The first two start with
+    token 0 and the last with the highest id, so a forest packs the last one after them."""
+    from arctic_rl_core.types import Sequence
+
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    prefix = [0] + ids(5)
+    full = [prefix + ids(5), prefix + ids(3), last or [vocab_size - 1] + ids(3)]
+    return [Sequence(prompt_ids=f[:1], response_ids=f[1:]) for f in full]
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+
+
+@torch.no_grad()
+def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vocab_size: int, device, dtype) -> None:
+    """`forward` runs the engine's wrapped `ResponseLogits` (`wrapper`); `causal_lm` is the model itself."""
+    from arctic_rl_core.batching import build_micro_batches
+    from arctic_rl_core.zorro.attention import LayoutNotDelivered
+
+    model_type = causal_lm.config.model_type
+    tolerance = _TOLERANCE.get(dtype, _HALF_TOLERANCE)
+    seqs = _probe_sequences(vocab_size)
+
+    def run(mb, seqs=seqs):
+        logits = forward(
+            input_ids=mb.input_ids.to(device), logit_rows=mb.logit_rows.to(device),
+            attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(device),
+            position_ids=None if mb.position_ids is None else mb.position_ids.to(device), zorro_layout=mb.layout,
+        )
+        logprobs = _logprobs(logits, mb.targets.to(device))
+        # A forest packs sequences in its own order: back to the probe's order.
+        parts = dict(zip(mb.sequence_ids, torch.split(logprobs, mb.response_lengths)))
+        return torch.cat([parts[i] for i in range(len(seqs))])
+
+    [padded] = build_micro_batches(seqs, token_budget=10**9, weight_version=0, pad_id=pad_id)
+    try:
+        own_logits = causal_lm(input_ids=padded.input_ids.to(device), attention_mask=padded.attention_mask.to(device),
+                               use_cache=False).logits
+        ours = run(padded)
+    except Exception as err:  # noqa: BLE001 -- whatever fails here is a family the engine cannot run as loaded
+        if zorro:  # e.g. a family whose layers need the dense mask transformers builds for its own attention
+            raise InvalidRequest("zorro.enable", f"{model_type}: a forward with ZoRRo's attention fails "
+                                                 f"({type(err).__name__}: {err}); {_DISABLE}") from None
+        raise InvalidRequest("model_path", f"{model_type}: Arctic RL cannot compute this family's logits "
+                                           f"({type(err).__name__}: {err})") from None
+    own = _logprobs(own_logits.reshape(-1, own_logits.shape[-1]).index_select(0, padded.logit_rows.to(device)),
+                    padded.targets.to(device))  # a padded batch keeps the probe's order
+    head_error = float((ours - own).abs().max())
+    if not head_error <= tolerance:
+        raise InvalidRequest("model_path", f"{model_type}: Arctic RL does not reproduce this family's output head "
+                                           f"(log-probs differ from the model's own by {head_error:.3g})")
+    if not zorro:
+        return
+    [packed] = build_micro_batches(seqs, token_budget=10**9, weight_version=0, pad_id=pad_id, forest=True)
+    try:
+        shared = run(packed)
+    except LayoutNotDelivered as err:
+        raise InvalidRequest("zorro.enable", f"{model_type}: {err}, so its attention would run over the whole "
+                                             f"pack; {_DISABLE}") from None
+    except Exception as err:  # noqa: BLE001 -- as above, for the packed forest
+        raise InvalidRequest("zorro.enable", f"{model_type}: a packed forward fails ({type(err).__name__}: {err}); "
+                                             f"{_DISABLE}") from None
+    delivery = wrapper.last_delivery
+    if delivery is None or delivery.calls == 0:
+        raise InvalidRequest("zorro.enable", f"{model_type}: no attention of it received the layout (none of its "
+                                             f"layers uses transformers' attention interface); {_DISABLE}")
+    window = _configured_window(causal_lm.config)
+    if window is not None and not delivery.windows:
+        raise InvalidRequest("zorro.enable", f"{model_type}: its sliding window ({window}) is applied only through "
+                                             f"the mask transformers builds for its own attention, which split "
+                                             f"attention does not receive; {_DISABLE}")
+    pack_error = float((shared - ours).abs().max())
+    if not pack_error <= tolerance:
+        raise InvalidRequest("zorro.enable", f"{model_type}: packing sequences changes its log-probs by "
+                                             f"{pack_error:.3g}; {_DISABLE}")
+    # Mixing, in any precision: the last sequence's log-probs must not depend on the tokens packed before
+    # it. Same shapes, so without mixing they are equal up to kernel nondeterminism, far below rounding.
+    last = seqs[-1].prompt_ids + seqs[-1].response_ids
+    others = _probe_sequences(vocab_size, seed=1, last=last)
+    [repacked] = build_micro_batches(others, token_budget=10**9, weight_version=0, pad_id=pad_id, forest=True)
+    n = len(seqs[-1].response_ids)
+    mixing = float((run(repacked, others)[-n:] - shared[-n:]).abs().max())
+    if not mixing <= _MIXING_TOLERANCE:
+        raise InvalidRequest("zorro.enable", f"{model_type}: a packed sequence's log-probs change by {mixing:.3g} "
+                                             f"with the tokens packed before it (a layer other than attention, e.g. "
+                                             f"a recurrent or convolutional one, mixes the pack); {_DISABLE}")

@@ -1,0 +1,53 @@
+"""The family sweep (tests/model_sweep.py): every decoder-only causal-LM family of the installed
+transformers is exact through the engine's path or refused at load, never silently wrong."""
+
+import os
+
+import pytest
+
+from model_sweep import render, sweep
+
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "models.md")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {(r.model_type, r.variant): r for r in sweep()}
+
+
+def test_no_family_is_accepted_and_wrong(rows):
+    bad = [r for r in rows.values() if r.outcome in ("wrong", "error")]
+    assert not bad, "\n".join(f"{r.model_type} {r.variant}: {r.outcome} {r.detail}" for r in bad)
+
+
+@pytest.mark.parametrize("family, variant", [
+    ("llama", "default"), ("qwen3", "default"), ("qwen2", "window 3"), ("mistral", "window 3"), ("phi3", "window 3"),
+    ("gemma2", "default"), ("gemma2", "attention softcap"), ("gemma2", "final softcap"), ("gemma3_text", "window 3"),
+    ("gpt_oss", "default"), ("cohere", "logit scale"), ("granite", "logit scale"), ("deepseek_v3", "default"),
+    ("olmo2", "default"), ("smollm3", "default"), ("minicpm3", "default"),
+])
+def test_families_with_windows_softcaps_sinks_and_scaled_heads_are_exact(rows, family, variant):
+    row = rows[(family, variant)]
+    assert row.outcome == "exact", row.detail
+
+
+@pytest.mark.parametrize("family, variant, reason", [
+    ("stablelm", "default", "was not given the ZoRRo layout"),  # its decoder layers drop **kwargs
+    ("nemotron", "default", "was not given the ZoRRo layout"),
+    ("llama4_text", "default", "chunked attention"),
+    ("phimoe", "window 3", "applied only through the mask"),
+    ("falcon_h1", "default", "packing sequences changes its log-probs"),  # Mamba mixers next to attention
+    ("bert-generation", "default", "is not causal"),
+    ("doge", "default", "builds its own attention mask"),
+    ("modernbert-decoder", "default", "output head"),  # a prediction head (dense, activation, norm) before lm_head
+])
+def test_families_split_attention_cannot_serve_are_refused_by_name(rows, family, variant, reason):
+    row = rows[(family, variant)]
+    assert row.outcome == "refused" and reason in row.detail, row.detail
+
+
+def test_docs_table_is_current(rows):
+    with open(DOCS) as f:
+        documented = [line for line in f.read().splitlines() if line.startswith("|")]
+    current = [line for line in render(list(rows.values())).splitlines() if line.startswith("|")]
+    assert documented == current, "docs/models.md is stale: python -m tests.model_sweep > docs/models.md"
