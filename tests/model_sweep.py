@@ -22,7 +22,7 @@ import torch
 from arctic_rl_core.batching import build_micro_batches
 from arctic_rl_core.engines.response_logits import ResponseLogits
 from arctic_rl_core.errors import InvalidRequest
-from arctic_rl_core.models.determinism import without_dropout
+from arctic_rl_core.models.determinism import inference_behaviour, without_dropout
 from arctic_rl_core.models.exactness import check_exactness, check_features
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.types import Sequence
@@ -172,7 +172,7 @@ def _build(model_type: str, variant: str):
             # A copy: from_config records the attention implementation in the config it is given.
             reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
                                                          dtype=torch.float32)
-            reference.train()
+            reference.eval()  # the model's own inference forward: what a sampler computes
             seqs = _sequences(random.Random(0))
             lp_ref, grads_ref = _own(reference, seqs)
             return config, reference, lp_ref, grads_ref, seqs
@@ -198,7 +198,7 @@ def check_family(model_type: str, variant: str) -> Row:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=ZORRO_ATTENTION,
                                                  dtype=torch.float32)
         model.load_state_dict(reference.state_dict())
-        model.train()
+        inference_behaviour(model)  # as the engine runs it
     except Exception as err:  # noqa: BLE001 -- as the engine does at load (arctic_rl_core/models/loading.py)
         return Row(model_type, variant, "refused", f"cannot be built with ZoRRo's attention ({type(err).__name__}: {err})")
     try:

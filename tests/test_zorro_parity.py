@@ -1,6 +1,7 @@
 """ZoRRo parity: per-token log-probs, loss and every parameter's gradient equal the unshared
-computation (a right-padded batch, one sequence per row, with the model's own SDPA attention) for
-Qwen3, Qwen2 and Llama. tests/test_model_families.py sweeps every other family."""
+computation (a right-padded batch, one sequence per row, with the model's own eager attention) for
+Qwen3, Qwen2, Llama, Gemma 2 (softcaps, a sliding window of 8) and Granite (scaled logits).
+tests/test_model_families.py sweeps every other family."""
 
 import random
 
@@ -63,8 +64,8 @@ def models(tiny_models):
             for p in model.parameters():
                 if p.dim() > 1:
                     p.mul_(4.0)
-        # The reference: the same weights with transformers' own SDPA attention.
-        reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float32)
+        # The reference: the same weights with the family's own eager attention (SDPA drops Gemma 2's softcap).
+        reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
         reference.load_state_dict(model.state_dict())
         out[family] = (model, reference)
     return out
@@ -102,7 +103,7 @@ def assert_parity(models, sequences, **forest_kwargs):
         assert (g[name] - ref).norm() <= max(1e-5 * ref.norm(), floor), name
 
 
-FAMILIES = ["qwen3", "qwen2", "llama"]
+FAMILIES = ["qwen3", "qwen2", "llama", "gemma2", "granite"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -28,6 +28,7 @@ from arctic_rl_core.engines.distributed import init_distributed
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.losses.inputs import LossInputs
 from arctic_rl_core.losses.registry import POST_PROCESSORS, Registered
+from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm
@@ -123,8 +124,6 @@ class DeepSpeedEngine(TrainingEngine):
             from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
 
             attn = ZORRO_ATTENTION  # split attention for forests and for padded batches alike
-        # The module stays in train mode for good (no dropout anywhere), so concurrent log_probs and
-        # fwd_bwd never flip each other's mode.
         model = load_causal_lm(config.model_path, hf_config, getattr(torch, ec.dtype), attn, self.zorro_loaded)
         if ec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -149,12 +148,12 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=wrapper, optimizer=optimizer, model_parameters=params, config=ds_config
         )
+        inference_behaviour(self.engine.module)
         check_exactness(self.engine, wrapper, self._causal_lm, zorro=self.zorro_loaded, pad_id=self.pad_token_id,
                         vocab_size=self.vocab_size, device=self.device, dtype=getattr(torch, ec.dtype))
         # DeepSpeed's own loader unpickles with weights_only=False; ours reads data only.
         self.engine.checkpoint_engine = SafeCheckpointEngine(self.engine._config)
         self.engine.set_gradient_accumulation_boundary(False)
-        self.engine.train()
         self._has_gradients = False
         self._steps = 0
         self._trainable = [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]

@@ -29,18 +29,25 @@ class ResponseLogits(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, logit_rows: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, zorro_layout: ForestLayout | None = None) -> torch.Tensor:
         lm = self._causal_lm[0]
+        decoder = _decoder(lm)
         if zorro_layout is not None:
             from arctic_rl_core.zorro.attention import expect_layout
 
             with expect_layout(zorro_layout) as delivery:
-                hidden = lm.base_model(
+                hidden = decoder(
                     input_ids=input_ids, position_ids=position_ids, use_cache=False,
                     zorro_layout=zorro_layout, zorro_backend=self.zorro_backend,
                 ).last_hidden_state
             self.last_delivery = delivery
         else:
-            hidden = lm.base_model(
+            hidden = decoder(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, logit_rows)
         return self.head(lm.get_output_embeddings(), rows)
+
+
+def _decoder(lm: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM's decoder (its final hidden states), also where `base_model_prefix` names no attribute."""
+    base = lm.base_model
+    return lm.model if base is lm and isinstance(getattr(lm, "model", None), torch.nn.Module) else base

@@ -100,8 +100,10 @@ def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vo
 
     [padded] = build_micro_batches(seqs, token_budget=10**9, weight_version=0, pad_id=pad_id)
     try:
-        own_logits = causal_lm(input_ids=padded.input_ids.to(device), attention_mask=padded.attention_mask.to(device),
-                               use_cache=False).logits
+        logits = causal_lm(input_ids=padded.input_ids.to(device), attention_mask=padded.attention_mask.to(device),
+                           use_cache=False).logits
+        rows = logits.reshape(-1, logits.shape[-1]).index_select(0, padded.logit_rows.to(device))
+        own = _logprobs(rows, padded.targets.to(device))  # a padded batch keeps the probe's order
         ours = run(padded)
     except Exception as err:  # noqa: BLE001 -- whatever fails here is a family the engine cannot run as loaded
         if zorro:  # e.g. a family whose layers need the dense mask transformers builds for its own attention
@@ -109,8 +111,6 @@ def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vo
                                                  f"({type(err).__name__}: {err}); {_DISABLE}") from None
         raise InvalidRequest("model_path", f"{model_type}: Arctic RL cannot compute this family's logits "
                                            f"({type(err).__name__}: {err})") from None
-    own = _logprobs(own_logits.reshape(-1, own_logits.shape[-1]).index_select(0, padded.logit_rows.to(device)),
-                    padded.targets.to(device))  # a padded batch keeps the probe's order
     head_error = float((ours - own).abs().max())
     if not head_error <= tolerance:
         raise InvalidRequest("model_path", f"{model_type}: Arctic RL does not reproduce this family's output head "

@@ -2,8 +2,9 @@
 
 Nothing can be downloaded in our CI, so tests, benchmarks and the demo build
 their models here: a real Hugging Face config and architecture (Qwen3, Qwen2,
-Llama) at small size, and a byte-level BPE tokenizer trained with the
-`tokenizers` library on a small built-in corpus.
+Llama; Gemma 2 with its attention and final softcaps and a short sliding window,
+Granite with its scaled logits) at small size, and a byte-level BPE tokenizer
+trained with the `tokenizers` library on a small built-in corpus.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-Family = Literal["qwen3", "qwen2", "llama"]
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen2", "llama")
+Family = Literal["qwen3", "qwen2", "llama", "gemma2", "granite"]
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "gemma2", "granite")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 _CORPUS = """
@@ -55,7 +56,7 @@ def train_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
 
 def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int,
                 max_positions: int, eos_token_id: int, intermediate: int | None = None):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -76,6 +77,13 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
         return Qwen2Config(**common)
     if family == "llama":
         return LlamaConfig(head_dim=hidden // heads, **common)
+    if family == "gemma2":
+        # Softcaps low enough to bend real logits, and a window shorter than the test sequences.
+        return Gemma2Config(head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, attn_logit_softcapping=5.0,
+                            final_logit_softcapping=3.0, sliding_window=8, **common)
+    if family == "granite":
+        return GraniteConfig(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+                             attention_multiplier=(hidden // heads) ** -0.5, **common)
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
