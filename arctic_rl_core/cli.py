@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from arctic_rl_core.models.tiny import FAMILIES
+
 
 def _cmd_plugins(args) -> int:
     from arctic_rl_plugins.manager import get_plugin_manager
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="build a tiny random model of a real family with a local tokenizer")
     p.add_argument("dir")
-    p.add_argument("--family", choices=["qwen3", "qwen2", "llama"], default="qwen3")
+    p.add_argument("--family", choices=list(FAMILIES), default="qwen3")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=2)

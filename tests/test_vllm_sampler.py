@@ -24,15 +24,19 @@ def run_scenario(*args, timeout=300):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+# The default route runs in `make test`; the others, each a vLLM process or two, in `make scenarios`.
+_SCENARIO = pytest.mark.scenario
+
+
 @pytest.mark.parametrize("sync, placement, layout, route", [
-    ("shared_memory", "in_process", "packed", "worker_reload"),  # the worker reloads the trainer's tensors; vLLM repacks
+    pytest.param("shared_memory", "in_process", "packed", "worker_reload", marks=_SCENARIO),  # the worker reloads the trainer's tensors; vLLM repacks
     ("shared_memory", "in_process", "plain", "direct"),  # the trainer writes straight into vLLM's tensors
-    ("shared_memory", "subprocess", "plain", "direct"),  # ... which live in a shared-memory file
-    ("shared_memory", "subprocess", "packed", "buckets"),  # through two shared-memory slots
-    ("broadcast", "subprocess", "packed", "buckets"),
-    ("broadcast", "subprocess", "plain", "buckets"),  # loaded in place by vLLM's load_weights
-    ("file", "in_process", "packed", "file"),
-    ("file", "subprocess", "packed", "file"),
+    pytest.param("shared_memory", "subprocess", "plain", "direct", marks=_SCENARIO),  # ... which live in a shared-memory file
+    pytest.param("shared_memory", "subprocess", "packed", "buckets", marks=_SCENARIO),  # through two shared-memory slots
+    pytest.param("broadcast", "subprocess", "packed", "buckets", marks=_SCENARIO),
+    pytest.param("broadcast", "subprocess", "plain", "buckets", marks=_SCENARIO),  # loaded in place by vLLM's load_weights
+    pytest.param("file", "in_process", "packed", "file", marks=_SCENARIO),
+    pytest.param("file", "subprocess", "packed", "file", marks=_SCENARIO),
 ])
 def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, route):
     result = run_scenario("sync", tiny_model, sync, placement, layout)
@@ -52,6 +56,7 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
             assert result["written_in_place"]
 
 
+@pytest.mark.scenario
 def test_generate_does_not_wait_for_a_running_fwd_bwd(tiny_model):
     result = run_scenario("concurrent", tiny_model)
     assert result["generated"] == 4 and result["training_alive"] and result["training_done"]
@@ -66,3 +71,15 @@ def test_bad_generate_input_names_the_field_and_engine_keeps_serving(tiny_model)
     for reason, length in zip(result["finish"], result["lengths"]):
         assert reason == "length" and length == 4 or reason == "stop"
     assert result["seeded_batch"] == [96, True]
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("family", ["gemma2", "granite"])
+def test_trainer_and_sampler_agree_for_softcapped_and_scaled_logit_families(tiny_models, family):
+    """Gemma 2 (attention and final softcaps, a window of 8 under 15-token sequences) and Granite (scaled
+    logits): the trainer's log-probs are vLLM's, before training and after a step and a sync."""
+    result = run_scenario("sync", tiny_models[family], "shared_memory", "in_process", "packed")
+    assert result["initial_err"] <= 1e-3
+    assert result["stale_err"] > 1e-2
+    assert result["synced_err"] <= 1e-3 and result["second_synced_err"] <= 1e-3
+    assert result["behaviour_err"] <= 1e-3

@@ -76,6 +76,19 @@ def _digest_update(h: "hashlib._Hash", obj: Any) -> None:
         h.update(repr(obj).encode())
 
 
+def _folded_temperature(post: list[tuple[Registered, Any]]) -> float | None:
+    """The product of the temperatures when `post` holds only the built-in `apply_temperature`, else None
+    (another post-processor may need the logits themselves)."""
+    from arctic_rl_core.losses.post_processors import apply_temperature
+
+    temperature = 1.0
+    for processor, cfg in post:
+        if processor.fn is not apply_temperature:
+            return None
+        temperature *= cfg.temperature
+    return temperature
+
+
 def _finite_flag_into(flags: list):
     """A gradient hook recording whether the gradient is finite. It holds the list, not the engine: a hook
     holding the engine would keep it (and a ZeRO-3 engine's global config) alive after its last use."""
@@ -167,14 +180,16 @@ class DeepSpeedEngine(TrainingEngine):
         def to_device(t):
             return t.to(self.device) if t is not None else None
 
-        logits = self.engine(
-            input_ids=mb.input_ids.to(self.device),
-            logit_rows=mb.logit_rows.to(self.device),
-            attention_mask=to_device(mb.attention_mask),
-            position_ids=to_device(mb.position_ids),
-            zorro_layout=mb.layout,
-        )
-        outputs = {"logits": logits, "targets": mb.targets.to(self.device)}
+        batch = dict(input_ids=mb.input_ids.to(self.device), logit_rows=mb.logit_rows.to(self.device),
+                     attention_mask=to_device(mb.attention_mask), position_ids=to_device(mb.position_ids),
+                     zorro_layout=mb.layout)
+        targets = mb.targets.to(self.device)
+        temperature = _folded_temperature(post)
+        if temperature is not None:
+            # Only built-in post-processors: log-probs in chunks, never the full [rows, vocab] logits.
+            chunked = self.engine(**batch, targets=targets, temperature=temperature, with_entropy=with_entropy)
+            return {"targets": targets, **chunked}
+        outputs = {"logits": self.engine(**batch), "targets": targets}
         chain = list(post) + [(POST_PROCESSORS.get("compute_logprobs", "post"), None)]
         if with_entropy:
             chain.append((POST_PROCESSORS.get("compute_entropy", "post"), None))

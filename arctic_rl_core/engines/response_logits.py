@@ -1,8 +1,10 @@
-"""The module a training engine wraps: a causal LM returning logits only where responses are predicted."""
+"""The module a training engine wraps: a causal LM returning logits only where responses are predicted,
+or, without the full logits tensor, their log-probs (and entropy) computed in chunks."""
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from arctic_rl_core.models.head import OutputHead
 from arctic_rl_kernels.layout import ForestLayout
@@ -17,6 +19,9 @@ class ResponseLogits(torch.nn.Module):
     implementation); otherwise a right-padded batch.
     """
 
+    chunk_elements = 2**26
+    """Logits computed at once by the chunked path: 256 MB in fp32 (about 440 rows of a 152k vocabulary)."""
+
     def __init__(self, model: torch.nn.Module, causal_lm: torch.nn.Module, head: OutputHead, zorro_backend: str = "auto"):
         super().__init__()
         self.model = model
@@ -27,7 +32,9 @@ class ResponseLogits(torch.nn.Module):
         """The attention calls of the last packed forward (`Delivery`: checked at load)."""
 
     def forward(self, input_ids: torch.Tensor, logit_rows: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, zorro_layout: ForestLayout | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, zorro_layout: ForestLayout | None = None,
+                targets: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False):
+        """Logits [rows, vocab]; or, given `targets`, {"logprobs", "entropy"?} at `temperature`, chunk by chunk."""
         lm = self._causal_lm[0]
         decoder = _decoder(lm)
         if zorro_layout is not None:
@@ -44,7 +51,33 @@ class ResponseLogits(torch.nn.Module):
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
             ).last_hidden_state
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, logit_rows)
-        return self.head(lm.get_output_embeddings(), rows)
+        if targets is None:
+            return self.head(lm.get_output_embeddings(), rows)
+        return self._chunked(lm.get_output_embeddings(), rows, targets, temperature, with_entropy)
+
+    def _chunked(self, lm_head, rows, targets, temperature, with_entropy) -> dict[str, torch.Tensor]:
+        """The built-in post-processors' arithmetic (apply_temperature, compute_logprobs, compute_entropy) on one
+        chunk of rows at a time; each chunk's logits are recomputed in backward instead of kept."""
+
+        def piece(hidden, target):
+            logits = self.head(lm_head, hidden)
+            if temperature != 1.0:
+                logits = logits / temperature
+            logits = logits.float()
+            out = [logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)]
+            if with_entropy:
+                logp = torch.log_softmax(logits, dim=-1)
+                out.append(-(logp.exp() * logp).sum(-1))
+            return tuple(out)
+
+        vocab = lm_head.weight.shape[0]
+        step = max(1, self.chunk_elements // vocab)
+        pieces = [checkpoint(piece, rows[i : i + step], targets[i : i + step], use_reentrant=False)
+                  for i in range(0, rows.shape[0], step)]
+        out = {"logprobs": torch.cat([p[0] for p in pieces])}
+        if with_entropy:
+            out["entropy"] = torch.cat([p[1] for p in pieces])
+        return out
 
 
 def _decoder(lm: torch.nn.Module) -> torch.nn.Module:

@@ -79,8 +79,9 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
         return LlamaConfig(head_dim=hidden // heads, **common)
     if family == "gemma2":
         # Softcaps low enough to bend real logits, and a window shorter than the test sequences.
+        # Tied embeddings, as every Gemma 2 (vLLM's Gemma 2 has no separate LM head).
         return Gemma2Config(head_dim=hidden // heads, query_pre_attn_scalar=hidden // heads, attn_logit_softcapping=5.0,
-                            final_logit_softcapping=3.0, sliding_window=8, **common)
+                            final_logit_softcapping=3.0, sliding_window=8, **{**common, "tie_word_embeddings": True})
     if family == "granite":
         return GraniteConfig(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                              attention_multiplier=(hidden // heads) ** -0.5, **common)
