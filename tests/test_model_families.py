@@ -51,3 +51,38 @@ def test_docs_table_is_current(rows):
         documented = [line for line in f.read().splitlines() if line.startswith("|")]
     current = [line for line in render(list(rows.values())).splitlines() if line.startswith("|")]
     assert documented == current, "docs/models.md is stale: python -m tests.model_sweep > docs/models.md"
+
+
+@pytest.mark.parametrize("family, refusal", [
+    ("qwen3", None), ("gemma2", None), ("gpt_oss", None), ("mixtral", None),
+    # Its Mamba mixers move a packed sequence by ~0.04 nats: inside bf16's tolerance for packed-vs-unpacked,
+    # caught by the tokens-before-it check, which holds in any precision.
+    ("falcon_h1", "with the tokens packed before it"),
+])
+def test_the_load_probe_in_bf16_accepts_exact_families_and_catches_mixing(family, refusal):
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from model_sweep import VOCAB, tiny_config
+    from arctic_rl_core.engines.response_logits import ResponseLogits
+    from arctic_rl_core.errors import InvalidRequest
+    from arctic_rl_core.models.determinism import inference_behaviour
+    from arctic_rl_core.models.exactness import check_exactness
+    from arctic_rl_core.models.head import output_head
+    from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
+
+    config = tiny_config(family, "default")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=ZORRO_ATTENTION,
+                                             dtype=torch.bfloat16)
+    inference_behaviour(model)
+    wrapper = ResponseLogits(model, model, output_head(config))
+    probe = lambda: check_exactness(wrapper, wrapper, model, zorro=True, pad_id=0, vocab_size=VOCAB,  # noqa: E731
+                                    device=torch.device("cpu"), dtype=torch.bfloat16)
+    if refusal is None:
+        probe()
+    else:
+        with pytest.raises(InvalidRequest, match=refusal):
+            probe()
