@@ -1,9 +1,10 @@
 """ZoRRo's attention, registered in transformers' attention-implementation registry.
 
-A model loaded with `attn_implementation=ZORRO_ATTENTION` runs split attention on every
-forward: over the packed prefix forest its forward is given as `zorro_layout=` (a batch of
-1), or, without one, over each row of a right-padded batch as its own sequence (exact for
-the real tokens: padding comes after them). Both paths apply what the family passes its
+A model loaded with `attn_implementation=ZORRO_ATTENTION` runs split attention over the
+packed prefix forest its forward is given as `zorro_layout=` (a batch of 1). Without one,
+each row of a right-padded batch is its own sequence (exact for the real tokens: padding
+comes after them): causal SDPA, or split attention per row where the family needs a window,
+a softcap or sinks. Both paths apply what the family passes its
 attention — scaling, sliding window, logit softcap, sinks (`s_aux`) — so turning ZoRRo on
 and off at run time gives the same numbers. No model class is patched: the name is
 registered with `AttentionInterface` and no mask function is registered for it, so
@@ -109,6 +110,12 @@ def zorro_attention_forward(
         if sliding_window is not None:
             delivery.windows.add(int(sliding_window))
     B, H, L, D = query.shape
+    scale = scaling if scaling is not None else D**-0.5
+    if zorro_layout is None and sliding_window is None and softcap is None and s_aux is None:
+        # Plain causal attention per row is all a right-padded batch needs: ATen's fused kernel, no gathers.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, _expand_kv(module, query, key), _expand_kv(module, query, value), is_causal=True, scale=scale)
+        return out.transpose(1, 2).contiguous(), None
     if zorro_layout is None:
         layout = ForestLayout.unshared([L] * B)  # each padded row its own sequence
     elif B != 1:
@@ -118,7 +125,6 @@ def zorro_attention_forward(
     q = query.transpose(0, 1).reshape(H, B * L, D)
     k = _expand_kv(module, query, key).transpose(0, 1).reshape(H, B * L, D)
     v = _expand_kv(module, query, value).transpose(0, 1).reshape(H, B * L, value.shape[-1])
-    scale = scaling if scaling is not None else D**-0.5
     out = split_attention(q, k, v, layout, scale, backend=zorro_backend, softcap=softcap, window=sliding_window, sinks=s_aux)
     # [H, B*L, D] -> [B, L, H, D], the layout transformers' attention functions return.
     return out.reshape(H, B, L, -1).permute(1, 2, 0, 3).contiguous(), None
