@@ -18,7 +18,8 @@ class _Config(BaseModel):
 class LoraSettings(_Config):
     r: int = Field(8, ge=1)
     alpha: float = 16.0
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(0.0, ge=0, le=0)
+    """0 only: the trainer runs the model's inference forward, so its log-probs are the sampler's."""
     target_modules: list[str] | str = "all-linear"
 
 

@@ -136,7 +136,7 @@ class DeepSpeedEngine(TrainingEngine):
         if self.zorro_loaded:
             from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
 
-            attn = ZORRO_ATTENTION  # split attention for forests and for padded batches alike
+            attn = ZORRO_ATTENTION  # split attention for forests; exact for padded batches too (set_zorro)
         model = load_causal_lm(config.model_path, hf_config, getattr(torch, ec.dtype), attn, self.zorro_loaded)
         if ec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
