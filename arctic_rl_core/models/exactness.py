@@ -62,14 +62,15 @@ def _configured_window(config) -> int | None:
 
 
 def _probe_sequences(vocab_size: int, seed: int = 0, last=None):
-    """Two sequences sharing a prefix, then `last` (default: a random one). The first two start with
-    token 0 and the last with the highest id, so a forest packs the last one after them."""
+    """Two sequences sharing a prefix of 6 tokens, then `last` (default: a random one). The first two
+    start with token 0 and part at tokens 1 and 2, the last starts with the highest id: every seed
+    packs into the same forest shape, with the last sequence after the others."""
     from arctic_rl_core.types import Sequence
 
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(0, vocab_size, (n,), generator=g).tolist()  # noqa: E731
     prefix = [0] + ids(5)
-    full = [prefix + ids(5), prefix + ids(3), last or [vocab_size - 1] + ids(3)]
+    full = [prefix + [1] + ids(4), prefix + [2] + ids(2), last or [vocab_size - 1] + ids(3)]
     return [Sequence(prompt_ids=f[:1], response_ids=f[1:]) for f in full]
 
 
