@@ -1,20 +1,23 @@
 """Load-time checks that the engine's log-probs are the model's own, or a refusal naming why.
 
-Three checks on a tiny probe batch (a shared prefix with two continuations, and an unrelated
-sequence), each a clear `InvalidRequest` at load instead of wrong numbers at the first call:
+Checks on a tiny probe batch (a shared prefix with two continuations, and an unrelated sequence),
+each a clear `InvalidRequest` at load instead of wrong numbers at the first call:
 
 - **features**: model types and settings split attention cannot honour, refused by name
   (`zorro_refusals`, before any weight is read);
-- **output head**: the engine's head (`OutputHead`) against the model's own `forward(...).logits`;
+- **the model's own forward**: the engine's path on a padded batch (its attention and its head,
+  `OutputHead`) against the model's own `forward(...).logits` with its eager attention;
 - **packing** (ZoRRo): every attention call must receive the layout; the packed forest's
   log-probs must equal one sequence per row; and a packed sequence's log-probs must not change
   when the sequences packed before it do. This catches decoder layers that drop the layout,
-  attention that bypasses transformers' attention interface or is not causal, and layers other
-  than attention (recurrent or convolutional mixers) that would mix the packed sequences, in
-  half precision as in fp32.
+  attention that bypasses transformers' attention interface or is not causal, a sliding window
+  applied only through transformers' mask, and layers other than attention (recurrent or
+  convolutional mixers) that would mix the packed sequences, in half precision as in fp32.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -74,6 +77,21 @@ def _probe_sequences(vocab_size: int, seed: int = 0, last=None):
     return [Sequence(prompt_ids=f[:1], response_ids=f[1:]) for f in full]
 
 
+@contextmanager
+def _eager_attention(causal_lm):
+    """The model's own reference: its eager attention (transformers' SDPA drops Gemma 2's softcap), set for
+    the duration where the family allows switching, else the attention it was loaded with."""
+    loaded = causal_lm.config._attn_implementation
+    switch = loaded != "eager" and causal_lm._can_set_attn_implementation()
+    if switch:
+        causal_lm.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if switch:
+            causal_lm.set_attn_implementation(loaded)
+
+
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
 
@@ -101,8 +119,9 @@ def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vo
 
     [padded] = build_micro_batches(seqs, token_budget=10**9, weight_version=0, pad_id=pad_id)
     try:
-        logits = causal_lm(input_ids=padded.input_ids.to(device), attention_mask=padded.attention_mask.to(device),
-                           use_cache=False).logits
+        with _eager_attention(causal_lm):
+            logits = causal_lm(input_ids=padded.input_ids.to(device), attention_mask=padded.attention_mask.to(device),
+                               use_cache=False).logits
         rows = logits.reshape(-1, logits.shape[-1]).index_select(0, padded.logit_rows.to(device))
         own = _logprobs(rows, padded.targets.to(device))  # a padded batch keeps the probe's order
         ours = run(padded)
@@ -114,8 +133,10 @@ def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vo
                                            f"({type(err).__name__}: {err})") from None
     head_error = float((ours - own).abs().max())
     if not head_error <= tolerance:
-        raise InvalidRequest("model_path", f"{model_type}: Arctic RL does not reproduce this family's output head "
-                                           f"(log-probs differ from the model's own by {head_error:.3g})")
+        field, what = ("zorro.enable", "ZoRRo's attention or its") if zorro else ("model_path", "its")
+        raise InvalidRequest(field, f"{model_type}: Arctic RL does not reproduce {what} output head (log-probs differ "
+                                    f"from the model's own eager forward by {head_error:.3g})"
+                                    + (f"; {_DISABLE}" if zorro else ""))
     if not zorro:
         return
     [packed] = build_micro_batches(seqs, token_budget=10**9, weight_version=0, pad_id=pad_id, forest=True)
