@@ -251,12 +251,12 @@ class InProcessBackend(TrainingAPI):
         }
 
     def set_zorro(self, enable: bool) -> None:
-        """Turn ZoRRo packing on or off for later calls (benchmarks compare both on one engine). Both run
-        the split attention the engine loaded and checked, so the numbers are the same; an engine loaded
-        with ZoRRo off runs the model's own attention, which cannot take a packed forest."""
+        """Turn ZoRRo packing on or off for later calls (benchmarks compare both on one engine). The engine
+        loads ZoRRo's attention wherever the family allows, so both give the model's numbers; a family ZoRRo
+        cannot serve runs its own attention, which cannot take a packed forest."""
         if enable and not getattr(self.engine, "zorro_loaded", False):
-            raise InvalidRequest("zorro.enable", "this engine loaded its model with ZoRRo off (the model's own "
-                                                 "attention); load it with zorro.enable=true to switch ZoRRo at run time")
+            raise InvalidRequest("zorro.enable", "this model runs its own attention: ZoRRo cannot serve its family "
+                                                 "(load it with zorro.enable=true for the reason)")
         with self._train_lock:
             self.config.zorro.enable = bool(enable)
 

@@ -36,6 +36,7 @@ class EngineConfig(_Config):
     """Token budget of one micro-batch (padded tokens)."""
     gradient_checkpointing: bool = False
     attn_implementation: str = "sdpa"
+    """The model's own attention, used where ZoRRo's cannot serve its family (docs/models.md)."""
     lora: LoraSettings | None = None
     """Train LoRA adapters (peft) instead of all parameters."""
     ds_config: dict[str, Any] = Field(default_factory=dict)

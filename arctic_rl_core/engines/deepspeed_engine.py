@@ -29,7 +29,7 @@ from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.losses.inputs import LossInputs
 from arctic_rl_core.losses.registry import POST_PROCESSORS, Registered
 from arctic_rl_core.models.determinism import inference_behaviour
-from arctic_rl_core.models.exactness import check_exactness, check_features
+from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm
 
@@ -120,9 +120,13 @@ class DeepSpeedEngine(TrainingEngine):
             hf_config = AutoConfig.from_pretrained(config.model_path)
         except (OSError, ValueError, KeyError) as err:
             raise InvalidRequest("model_path", f"{config.model_path!r} is not a Hugging Face model: {err}") from None
-        self.zorro_loaded = config.zorro.enable
-        if self.zorro_loaded:
+        # ZoRRo's attention is loaded wherever the family allows it, so `set_zorro` switches packing at run
+        # time exactly; zorro.enable only decides the packing. A family it cannot serve is an error with
+        # zorro.enable, and runs its own attention (engine.attn_implementation) without.
+        want_zorro = config.zorro.enable
+        if want_zorro:
             check_features(hf_config)
+        self.zorro_loaded = want_zorro or zorro_attention_possible(hf_config)
         self.max_context = hf_config.max_position_embeddings
         self.vocab_size = hf_config.vocab_size
         pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
@@ -132,12 +136,8 @@ class DeepSpeedEngine(TrainingEngine):
         ds_config = deepspeed_config(ec)
         # Kept alive while the model loads: from_pretrained then partitions weights as it reads them (ZeRO-3).
         self._hf_ds_config = HfDeepSpeedConfig(ds_config) if ec.zero_stage == 3 else None
-        attn = ec.attn_implementation
-        if self.zorro_loaded:
-            from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
-
-            attn = ZORRO_ATTENTION  # split attention for forests; exact for padded batches too (set_zorro)
-        model = load_causal_lm(config.model_path, hf_config, getattr(torch, ec.dtype), attn, self.zorro_loaded)
+        model, self.zorro_loaded = load_causal_lm(config.model_path, hf_config, getattr(torch, ec.dtype),
+                                                  ec.attn_implementation, zorro=self.zorro_loaded, required=want_zorro)
         if ec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
@@ -162,8 +162,15 @@ class DeepSpeedEngine(TrainingEngine):
             model=wrapper, optimizer=optimizer, model_parameters=params, config=ds_config
         )
         inference_behaviour(self.engine.module)
-        check_exactness(self.engine, wrapper, self._causal_lm, zorro=self.zorro_loaded, pad_id=self.pad_token_id,
-                        vocab_size=self.vocab_size, device=self.device, dtype=getattr(torch, ec.dtype))
+        probe = dict(pad_id=self.pad_token_id, vocab_size=self.vocab_size, device=self.device, dtype=getattr(torch, ec.dtype))
+        try:
+            check_exactness(self.engine, wrapper, self._causal_lm, zorro=self.zorro_loaded, **probe)
+        except InvalidRequest as err:
+            if want_zorro or not self.zorro_loaded or err.field != "zorro.enable":
+                raise
+            self._causal_lm.set_attn_implementation(ec.attn_implementation)  # possible: zorro_attention_possible
+            self.zorro_loaded = False
+            check_exactness(self.engine, wrapper, self._causal_lm, zorro=False, **probe)
         # DeepSpeed's own loader unpickles with weights_only=False; ours reads data only.
         self.engine.checkpoint_engine = SafeCheckpointEngine(self.engine._config)
         self.engine.set_gradient_accumulation_boundary(False)

@@ -45,6 +45,20 @@ def zorro_refusals(config) -> list[str]:
     return found
 
 
+def zorro_attention_possible(config) -> bool:
+    """Whether ZoRRo's attention may be loaded for `config` without being asked for: no feature refused by
+    name, and a model class that can switch back to its own attention if the load probe refuses it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if zorro_refusals(config):
+        return False
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return False
+    return model_class._can_set_attn_implementation()
+
+
 def check_features(config) -> None:
     found = zorro_refusals(config)
     if found:
