@@ -70,7 +70,7 @@ def test_bf16_fast_path_within_bf16_tolerance():
     assert (fast.float() - ref).norm() <= 1e-2 * ref.norm()
 
 
-def test_prefix_gradient_accumulates_over_suffixes_without_copies():
+def test_prefix_gradient_accumulates_over_suffixes():
     """dK of a shared prefix equals the sum over its suffixes computed one at a time."""
     torch.manual_seed(0)
     P, R, G, H, D = 6, 3, 4, 2, 8
@@ -91,6 +91,34 @@ def test_prefix_gradient_accumulates_over_suffixes_without_copies():
         one[:, P:].sum().backward()
         total += kp.grad
     assert torch.allclose(dk_prefix, total, rtol=1e-5, atol=1e-6)
+
+
+def test_a_prefix_is_read_once_for_all_its_suffixes_without_copies():
+    """The cross part hands the primitives views of the packed K/V (no copy per suffix), in one call for
+    the prefix's whole subtree, forward and backward."""
+    from arctic_rl_kernels import split_attention as sa
+
+    P, R, G, H, D = 6, 3, 4, 2, 8
+    layout = ForestLayout((0,) + tuple(P + i * R for i in range(G)), (P,) + tuple(P + (i + 1) * R for i in range(G)),
+                          (P + G * R,) + tuple(P + (i + 1) * R for i in range(G)), P + G * R)
+    q, k, v = (torch.randn(H, P + G * R, D, requires_grad=True) for _ in range(3))
+    seen = []
+
+    def recording(fn, kind):
+        def call(*args):
+            q_, k_, v_ = args[1:4] if kind == "backward" else args[:3]
+            causal = args[6] if kind == "backward" else args[3]
+            if not causal:
+                seen.append((kind, k_.shape[-2], q_.shape[-2], k_.untyped_storage().data_ptr(), v_.untyped_storage().data_ptr()))
+            return fn(*args)
+        return call
+
+    ops = sa.AttentionOps("recording", recording(sa.MATH.forward, "forward"), recording(sa.MATH.backward, "backward"), True)
+    out = sa._SplitAttention.apply(q, k, v, None, layout, D**-0.5, ops, sa.NO_MODS)
+    out.sum().backward()
+    storages = (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+    assert [s[:3] for s in seen] == [("forward", P, G * R), ("backward", P, G * R)]  # one call for all G suffixes
+    assert all(s[3:] == storages for s in seen)  # the prefix's K/V are views of the packed tensors
 
 
 FEATURES = {
