@@ -7,9 +7,14 @@ descendants, and in backward its gradient is the sum over them. Backward follows
 ring-attention identity: each part's flash backward, fed the *merged* output and LSE, gives
 exactly that part's share of dQ, dK, dV.
 
+Families' score rules are part of the definition: a sliding window (by position in the
+sequence, so it spans the prefix boundary as in the unshared sequence), an attention-logit
+softcap, and attention sinks (one more LSE merge, with a zero value).
+
 Primitives (`AttentionOps`) are swappable: `cpu_flash` uses ATen's CPU flash-attention
-kernels; `math` is matmul-based, tiled over queries, and runs on any device. A Triton
-kernel is one more `AttentionOps`; callers do not change.
+kernels; `math` is matmul-based, tiled over queries, runs on any device and also applies
+windows, softcaps and a value head size other than the query's. A Triton kernel is one
+more `AttentionOps`; callers do not change.
 """
 
 from __future__ import annotations

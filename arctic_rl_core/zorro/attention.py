@@ -4,9 +4,9 @@ A model loaded with `attn_implementation=ZORRO_ATTENTION` runs split attention o
 packed prefix forest its forward is given as `zorro_layout=` (a batch of 1). Without one,
 each row of a right-padded batch is its own sequence (exact for the real tokens: padding
 comes after them): causal SDPA, or split attention per row where the family needs a window,
-a softcap or sinks. Both paths apply what the family passes its
-attention — scaling, sliding window, logit softcap, sinks (`s_aux`) — so turning ZoRRo on
-and off at run time gives the same numbers. No model class is patched: the name is
+a softcap or sinks. Both paths apply what the family passes its attention — scaling, sliding
+window, logit softcap, sinks (`s_aux`) — so turning ZoRRo on and off at run time gives the
+same numbers. No model class is patched: the name is
 registered with `AttentionInterface` and no mask function is registered for it, so
 transformers builds no dense mask over the pack. Training forwards only: no KV cache.
 
@@ -26,7 +26,6 @@ from arctic_rl_kernels.layout import ForestLayout
 from arctic_rl_kernels.split_attention import split_attention
 
 ZORRO_ATTENTION = "arctic_rl_zorro"
-
 
 
 class LayoutNotDelivered(RuntimeError):
@@ -70,8 +69,8 @@ _NEUTRAL_ARGUMENTS = frozenset({"position_ids", "cache_position", "use_cache", "
 
 
 def _refuse_what_split_attention_does_not_apply(module, attention_mask, kwargs) -> None:
-    """Attention that is not plain causal softmax attention (with the features handled above) is an
-    error, never a silently different result: the engine's load-time probe turns it into a refusal."""
+    """Attention that is not causal softmax attention (with the features `zorro_attention_forward`
+    applies) is an error, never a silently different result: the load-time probe turns it into a refusal."""
     name = type(module).__name__
     if getattr(module, "is_causal", True) is False or kwargs.get("is_causal", True) is False:
         raise ValueError(f"{name} is not causal attention")
