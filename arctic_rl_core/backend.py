@@ -16,7 +16,6 @@ from arctic_rl_core.batching import build_micro_batches, require_fields, validat
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.validation import parse
-from arctic_rl_core.losses.registry import LOSSES, POST_PROCESSORS
 from arctic_rl_core.types import (
     CheckpointInfo,
     Completion,
@@ -32,7 +31,7 @@ from arctic_rl_core.types import (
     StepResult,
     model_shape,
 )
-from arctic_rl_plugins.manager import get_plugin_manager
+from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 
 
 def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
@@ -42,9 +41,10 @@ def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
 
 
 class InProcessBackend(TrainingAPI):
-    def __init__(self, config: BackendConfig | dict):
+    def __init__(self, config: BackendConfig | dict, plugins: PluginManager | None = None):
         self.config = parse(BackendConfig, config, "config")
-        plugins = get_plugin_manager()
+        self.plugins = plugins = plugins if plugins is not None else load_plugins()
+        """Where this backend finds its losses, post-processors, engine and sampler."""
         engine_factory = plugins.engine_factory(self.config.engine.name)
         sampler_factory = plugins.sampler_factory(self.config.sampler.name)
         self.engine = engine_factory(self.config)
@@ -97,7 +97,7 @@ class InProcessBackend(TrainingAPI):
     def _post_chain(self, post: list[ProcessorSpec]) -> list[tuple[Any, Any]]:
         chain = []
         for i, spec in enumerate(post):
-            entry = POST_PROCESSORS.get(spec.name, f"loss.post[{i}].name")
+            entry = self.plugins.post_processors.get(spec.name, f"loss.post[{i}].name")
             chain.append((entry, entry.parse_config(spec.config, f"loss.post[{i}].config")))
         return chain
 
@@ -162,7 +162,7 @@ class InProcessBackend(TrainingAPI):
 
     def fwd_bwd(self, sequences, loss: LossSpec | dict | str) -> FwdBwdResult:
         spec = parse(LossSpec, {"name": loss} if isinstance(loss, str) else loss, "loss")
-        entry = LOSSES.get(spec.name, "loss.name")
+        entry = self.plugins.losses.get(spec.name, "loss.name")
         loss_config = entry.parse_config(spec.config, "loss.config")
         post = self._post_chain(spec.post)
         seqs = self._validated(sequences)

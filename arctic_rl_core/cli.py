@@ -1,4 +1,4 @@
-"""The `arctic-rl` command line."""
+"""The `arctic-rl` command line: the core's commands, and those installed plugins add (`train`, `demo`, `bench …`)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import json
 import sys
 
 from arctic_rl_core.models.tiny import FAMILIES
+from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 
 
 def _cmd_plugins(args) -> int:
-    from arctic_rl_plugins.manager import get_plugin_manager
-
-    report = get_plugin_manager().report()
+    report = load_plugins().report()
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -51,49 +50,14 @@ def _cmd_make_tiny_model(args) -> int:
     return 0
 
 
-def _cmd_demo(args) -> int:
-    from arctic_rl_core.demo import main
-
-    return main(args)
-
-
-def _cmd_bench_zorro(args) -> int:
-    from arctic_rl_core.bench.zorro import main
-
-    return main(args)
-
-
-def _cmd_bench_server(args) -> int:
-    from arctic_rl_core.bench.server import main
-
-    return main(args)
-
-
-def _cmd_bench_sync(args) -> int:
-    from arctic_rl_core.bench.sync import main
-
-    return main(args)
-
-
-def _cmd_train(args) -> int:
-    from arctic_rl_core.recipes.run import main
-
-    return main(args)
-
-
-def _cmd_bench_e2e(args) -> int:
-    from arctic_rl_core.bench.e2e import main
-
-    return main(args)
-
-
 def _cmd_serve(args) -> int:
     from arctic_rl_core.server.run import main
 
     return main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: PluginManager | None = None) -> argparse.ArgumentParser:
+    plugins = plugins if plugins is not None else load_plugins()
     parser = argparse.ArgumentParser(prog="arctic-rl", description="Arctic RL: a unified backend for RL post-training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -118,19 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_make_tiny_model)
 
-    p = sub.add_parser("demo", help="the tiny text2sql GRPO recipe end to end, then its ZoRRo and pipelining speed ratios")
-    p.add_argument("--recipe", default="text2sql_tiny", help="recipe file or bundled name")
-    p.add_argument("--output-dir", default="runs/demo")
-    p.add_argument("--rounds", type=int, default=2, help="speed measurement: rounds over the four variants")
-    p.add_argument("--steps", type=int, default=3, help="speed measurement: steps per variant per round")
-    p.add_argument("overrides", nargs="*", help="recipe overrides, key.path=value")
-    p.set_defaults(func=_cmd_demo)
-
-    p = sub.add_parser("train", help="run a GRPO recipe: arctic-rl train RECIPE.yaml [key.path=value ...]")
-    p.add_argument("recipe", help="recipe YAML (see recipes/)")
-    p.add_argument("overrides", nargs="*", help="VeRL-style overrides, e.g. grpo.steps=50 backend.url=http://host:7000")
-    p.set_defaults(func=_cmd_train)
-
     p = sub.add_parser("serve", help="serve the training API over HTTP")
     p.add_argument("--host", default="127.0.0.1", help="bind address; anything but loopback needs a token")
     p.add_argument("--port", type=int, default=7000)
@@ -143,34 +94,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a per-request work cap (docs/server.md lists them), e.g. --limit samples_per_prompt=64")
     p.set_defaults(func=_cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks (results belong in docs/benchmarks.md)")
-    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    p = bench_sub.add_parser("zorro", help="fwd_bwd and log_probs with ZoRRo off vs on")
-    from arctic_rl_core.bench.zorro import add_arguments
-
-    add_arguments(p)
-    p.set_defaults(func=_cmd_bench_zorro)
-    p = bench_sub.add_parser("server", help="HTTP round-trip latency and payload throughput over loopback")
-    from arctic_rl_core.bench import server as bench_server
-
-    bench_server.add_arguments(p)
-    p.set_defaults(func=_cmd_bench_server)
-    p = bench_sub.add_parser("sync", help="sync_weights time and GB/s per path and model size, beside memcpy")
-    from arctic_rl_core.bench import sync as bench_sync
-
-    bench_sync.add_arguments(p)
-    p.set_defaults(func=_cmd_bench_sync)
-    p = bench_sub.add_parser("e2e", help="seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async")
-    from arctic_rl_core.bench import e2e as bench_e2e
-
-    bench_e2e.add_arguments(p)
-    p.set_defaults(func=_cmd_bench_e2e)
+    _add_plugin_commands(sub, plugins)
     return parser
+
+
+def _add_plugin_commands(sub, plugins: PluginManager) -> None:
+    """Commands from plugins (the recipes' `train` and `demo`, the benchmarks' `bench …`), nested by path."""
+    groups = {(): sub}
+    for path, command in sorted(plugins.commands.items()):
+        for depth in range(1, len(path)):
+            parent = path[:depth]
+            if parent not in groups:
+                group = groups[parent[:-1]].add_parser(parent[-1], help=f"{parent[-1]} commands")
+                groups[parent] = group.add_subparsers(dest=f"{'_'.join(parent)}_command", required=True)
+        p = groups[path[:-1]].add_parser(path[-1], help=command.help)
+        command.add_arguments(p)
+        p.set_defaults(func=command.run, needs_accelerator=command.needs_accelerator)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "plugins":  # plugins must stay light: no torch import
+    if getattr(args, "needs_accelerator", args.command != "plugins"):  # plugins must stay light: no torch import
         from arctic_rl_core.engines.distributed import select_accelerator
 
         select_accelerator()

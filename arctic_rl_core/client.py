@@ -10,7 +10,10 @@ a request id that its retries reuse, so a retried `fwd_bwd` is applied once.
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import functools
+import inspect
 import json
 import os
 import time
@@ -22,18 +25,8 @@ import httpx
 from arctic_rl_core import wire
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.errors import ArcticRLError, BackendUnavailable, InvalidRequest, UnknownName
-from arctic_rl_core.protocol import API_PREFIX, REQUEST_ID_HEADER, ROUTES
+from arctic_rl_core.calls import API_PREFIX, CALLS, REQUEST_ID_HEADER, Call
 from arctic_rl_core.server.security import TOKEN_ENV
-from arctic_rl_core.types import (
-    CheckpointInfo,
-    Completion,
-    FwdBwdResult,
-    LogProbsResult,
-    LossSpec,
-    SamplingParams,
-    Sequence,
-    StepResult,
-)
 from arctic_rl_core.validation import parse
 
 DEFAULT_URL = "http://127.0.0.1:7000"
@@ -47,13 +40,16 @@ class ServerError(ArcticRLError):
     """The server failed while running a valid request."""
 
 
-def _request(name: str, **fields: Any):
-    """Validate a call's arguments into its request model (errors name the argument)."""
-    return parse(ROUTES[name].request, fields, "")
-
-
-def _loss(loss: LossSpec | dict | str):
-    return {"name": loss} if isinstance(loss, str) else loss
+def _request(call: Call, args: tuple, kwargs: dict):
+    """A call's arguments, bound to `TrainingAPI`'s signature, validated into its request model
+    (errors name the argument) before anything is sent."""
+    if call.attribute:
+        return call.request()
+    bound = inspect.signature(getattr(TrainingAPI, call.name)).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    fields = dict(bound.arguments)
+    fields.pop("self")
+    return parse(call.request, fields, "")
 
 
 def _raise_for(response: httpx.Response) -> None:
@@ -77,17 +73,17 @@ class _ClientCore:
         self.retries = retries
         self.backoff_s = backoff_s
 
-    def prepare(self, name: str, request) -> tuple[str, wire.Encoded, dict]:
+    def prepare(self, call: Call, request) -> tuple[str, wire.Encoded, dict]:
         """Path, body (streamed: header, then tensor memory) and headers; retries resend the same id."""
         body = wire.encode_parts(request.model_dump(mode="json"))
         headers = {**self.headers, "Content-Type": wire.MEDIA_TYPE, "Content-Length": str(len(body)),
                    REQUEST_ID_HEADER: uuid.uuid4().hex}
-        return f"{API_PREFIX}/{name}", body, headers
+        return call.path, body, headers
 
-    def finish(self, name: str, response: httpx.Response):
+    def finish(self, call: Call, response: httpx.Response):
         if response.status_code != 200:
             _raise_for(response)
-        return parse(ROUTES[name].response, wire.decode(response.content), "response")
+        return call.value_of(parse(call.response, wire.decode(response.content), "response"))
 
     def unavailable(self, err: Exception) -> BackendUnavailable:
         return BackendUnavailable(f"cannot reach the Arctic RL server at {self.url} after {self.retries + 1} attempts: {err}")
@@ -110,9 +106,9 @@ class ArcticRLClient(TrainingAPI):
                     raise self._core.unavailable(err) from None
                 time.sleep(self._core.backoff_s * 2**attempt)
 
-    def _call(self, name: str, request):
-        path, body, headers = self._core.prepare(name, request)
-        return self._core.finish(name, self._send("POST", path, content=body, headers=headers))
+    def _call(self, call: Call, args: tuple = (), kwargs: dict | None = None):
+        path, body, headers = self._core.prepare(call, _request(call, args, kwargs or {}))
+        return self._core.finish(call, self._send("POST", path, content=body, headers=headers))
 
     def _json(self, method: str, route: str, payload: Any = None) -> dict:
         if method == "POST":  # the server requires a content type on every POST
@@ -141,41 +137,6 @@ class ArcticRLClient(TrainingAPI):
     def close(self) -> None:
         self._http.close()
 
-    # -- the training API ------------------------------------------------------------------------
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None) -> list[Completion]:
-        return self._call("generate", _request("generate", prompts=prompts, sampling=sampling or {})).completions
-
-    def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0,
-                  source: str = "trainer") -> LogProbsResult:
-        return self._call("log_probs", _request("log_probs", sequences=sequences, with_entropy=with_entropy, temperature=temperature,
-                                                                source=source))
-
-    def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec | dict | str) -> FwdBwdResult:
-        return self._call("fwd_bwd", _request("fwd_bwd", sequences=sequences, loss=_loss(loss)))
-
-    def discard_gradients(self) -> None:
-        self._call("discard_gradients", _request("discard_gradients"))
-
-    def step(self, learning_rate: float | None = None) -> StepResult:
-        return self._call("step", _request("step", learning_rate=learning_rate))
-
-    def sync_weights(self) -> int:
-        return self._call("sync_weights", _request("sync_weights")).weight_version
-
-    def save_checkpoint(self, path: str) -> CheckpointInfo:
-        return self._call("save_checkpoint", _request("save_checkpoint", path=path))
-
-    def load_checkpoint(self, path: str) -> CheckpointInfo:
-        return self._call("load_checkpoint", _request("load_checkpoint", path=path))
-
-    def state_digest(self) -> str:
-        return self._call("state_digest", _request("state_digest")).digest
-
-    @property
-    def weight_version(self) -> int:
-        return self._call("weight_version", _request("weight_version")).weight_version
-
 
 class AsyncArcticRLClient:
     """asyncio client: every call is a coroutine (`asyncio.create_task` makes it a future)."""
@@ -185,13 +146,13 @@ class AsyncArcticRLClient:
         self._core = _ClientCore(url, token, retries, backoff_s)
         self._http = httpx.AsyncClient(base_url=self._core.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
 
-    async def _call(self, name: str, request):
-        path, body, headers = self._core.prepare(name, request)
+    async def _call(self, call: Call, args: tuple = (), kwargs: dict | None = None):
+        path, body, headers = self._core.prepare(call, _request(call, args, kwargs or {}))
         for attempt in range(self._core.retries + 1):
             try:
                 # httpx.AsyncClient needs an async iterator (it would take `body` as a sync iterable)
                 response = await self._http.post(path, content=aiter(body), headers=headers)
-                return self._core.finish(name, response)
+                return self._core.finish(call, response)
             except httpx.TransportError as err:
                 if attempt == self._core.retries:
                     raise self._core.unavailable(err) from None
@@ -200,34 +161,32 @@ class AsyncArcticRLClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None) -> list[Completion]:
-        return (await self._call("generate", _request("generate", prompts=prompts, sampling=sampling or {}))).completions
 
-    async def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0,
-                  source: str = "trainer") -> LogProbsResult:
-        return await self._call("log_probs", _request("log_probs", sequences=sequences, with_entropy=with_entropy, temperature=temperature,
-                                                                source=source))
+def _sync_method(call: Call):
+    if call.attribute:
+        return property(lambda self: self._call(call), doc=getattr(TrainingAPI, call.name).__doc__)
 
-    async def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec | dict | str) -> FwdBwdResult:
-        return await self._call("fwd_bwd", _request("fwd_bwd", sequences=sequences, loss=_loss(loss)))
+    @functools.wraps(getattr(TrainingAPI, call.name))
+    def method(self, *args, **kwargs):
+        return self._call(call, args, kwargs)
 
-    async def discard_gradients(self) -> None:
-        await self._call("discard_gradients", _request("discard_gradients"))
+    method.__isabstractmethod__ = False  # `wraps` copied the abstract marker along with the docstring
+    return method
 
-    async def step(self, learning_rate: float | None = None) -> StepResult:
-        return await self._call("step", _request("step", learning_rate=learning_rate))
 
-    async def sync_weights(self) -> int:
-        return (await self._call("sync_weights", _request("sync_weights"))).weight_version
+def _async_method(call: Call):
+    api_method = getattr(TrainingAPI, call.name)
 
-    async def save_checkpoint(self, path: str) -> CheckpointInfo:
-        return await self._call("save_checkpoint", _request("save_checkpoint", path=path))
+    async def method(self, *args, **kwargs):
+        return await self._call(call, args, kwargs)
 
-    async def load_checkpoint(self, path: str) -> CheckpointInfo:
-        return await self._call("load_checkpoint", _request("load_checkpoint", path=path))
+    method.__name__ = method.__qualname__ = call.name
+    method.__doc__ = (api_method.fget if call.attribute else api_method).__doc__
+    return method
 
-    async def state_digest(self) -> str:
-        return (await self._call("state_digest", _request("state_digest"))).digest
 
-    async def weight_version(self) -> int:
-        return (await self._call("weight_version", _request("weight_version"))).weight_version
+# Every call of the table becomes a method of both clients, with `TrainingAPI`'s signature and docstring.
+for _call in CALLS.values():
+    setattr(ArcticRLClient, _call.name, _sync_method(_call))
+    setattr(AsyncArcticRLClient, _call.name, _async_method(_call))
+abc.update_abstractmethods(ArcticRLClient)

@@ -24,7 +24,7 @@ def _importable(module: str) -> str | None:
 
 
 def diagnose() -> dict:
-    from arctic_rl_plugins.manager import get_plugin_manager
+    from arctic_rl_core.plugins.manager import get_plugin_manager
 
     report: dict = {"python": platform.python_version(), "platform": platform.platform()}
     report["packages"] = {

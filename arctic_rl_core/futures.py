@@ -1,6 +1,6 @@
 """Every training-API call as a `concurrent.futures.Future`.
 
-Training calls (the ordered routes) keep their order on one worker; reads run
+Training calls (the table's ordered calls) keep their order on one worker; reads run
 alongside on others, so `generate` for the next batch overlaps `fwd_bwd` on
 this one. Works for any `TrainingAPI`, in process or over HTTP;
 `asyncio.wrap_future` makes each future awaitable.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from arctic_rl_core.protocol import ROUTES
+from arctic_rl_core.calls import CALLS
 
 
 class ApiFutures:
@@ -21,10 +21,10 @@ class ApiFutures:
         self._reads = ThreadPoolExecutor(read_workers, thread_name_prefix="arctic-rl-read")
 
     def __getattr__(self, name: str) -> Callable[..., Future]:
-        route = ROUTES.get(name)
-        if route is None or name == "weight_version":
+        call = CALLS.get(name)
+        if call is None or call.attribute:
             raise AttributeError(f"{name!r} is not a training-API call")
-        executor = self._ordered if route.ordered else self._reads
+        executor = self._ordered if call.ordered else self._reads
         method = getattr(self._api, name)
 
         def submit(*args: Any, **kwargs: Any) -> Future:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from arctic_rl_core.errors import InvalidRequest
 
@@ -101,6 +101,12 @@ class LossSpec(_Strict):
     config: dict[str, Any] = Field(default_factory=dict)
     post: list[ProcessorSpec] = Field(default_factory=list)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _by_name(cls, value: Any) -> Any:
+        """A bare name is the loss with its default config: `fwd_bwd(seqs, "grpo")`."""
+        return {"name": value} if isinstance(value, str) else value
+
 
 class FwdBwdRequest(_Strict):
     sequences: list[Sequence]
@@ -149,6 +155,11 @@ class SamplingParams(_Strict):
 class GenerateRequest(_Strict):
     prompts: list[list[int]]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _default_sampling(cls, value: Any) -> Any:
+        return {} if value is None else value
 
 
 class Completion(_Strict):

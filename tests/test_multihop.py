@@ -5,8 +5,8 @@ import json
 import pytest
 
 from arctic_rl_core.errors import InvalidRequest
-from arctic_rl_core.recipes.multihop.synthetic import SyntheticQAConfig, generate_multihop
-from arctic_rl_core.recipes.multihop.task import MultihopConfig, MultihopTask, normalize_answer, substring_match_reward
+from arctic_rl_recipes.multihop.synthetic import SyntheticQAConfig, generate_multihop
+from arctic_rl_recipes.multihop.task import MultihopConfig, MultihopTask, normalize_answer, substring_match_reward
 
 MUSIQUE = [
     {"id": "2hop__1_2", "question": "Who founded the company that makes the Walkman?",

@@ -8,14 +8,15 @@ import textwrap
 
 import pytest
 
-from arctic_rl_core.losses.registry import LOSSES, Registered, Registry, register_loss_fn
-from arctic_rl_plugins.manager import get_plugin_manager
+from arctic_rl_core.errors import UnknownName
+from arctic_rl_core.losses.registry import Registered, Registry, register_loss_fn
+from arctic_rl_core.plugins import load_plugins
 from tests.helpers import grpo_batch
 
 GOOD = '''
 import torch
 from arctic_rl_core import register_loss_fn
-from arctic_rl_plugins import hookimpl
+from arctic_rl_core.plugins import hookimpl
 
 
 @register_loss_fn("mean_negative_logprob_x2", requires=("advantages",))
@@ -74,14 +75,13 @@ def installed_plugins(tmp_path_factory):
         )
     sys.path.insert(0, str(target))
     try:
-        yield target, get_plugin_manager(reload=True)
+        yield target, load_plugins()
     finally:
         sys.path.remove(str(target))
-        get_plugin_manager(reload=True)
 
 
 def test_builtins_are_listed_with_their_distribution():
-    report = get_plugin_manager().report()
+    report = load_plugins().report()
     listed = {(p["kind"], p["name"]): p["distribution"] for p in report["plugins"]}
     for name in ("sft", "importance_sampling", "grpo"):
         assert listed[("loss", name)] == "arctic-rl"
@@ -111,6 +111,30 @@ def test_plugin_loss_is_usable_through_fwd_bwd(installed_plugins, make_backend):
     assert plugin.metrics["doubled"] == pytest.approx(plugin.loss)
 
 
+def test_registries_belong_to_their_manager_not_to_imports(installed_plugins, tiny_model):
+    """A manager's registries hold what its plugins returned; importing a plugin module registers nothing,
+    and a backend uses the manager it was given."""
+    import toy_arctic_loss  # noqa: F401  (imported: its decorator ran)
+    from arctic_rl_plugins import builtin
+
+    from arctic_rl_core.backend import InProcessBackend
+    from arctic_rl_core.plugins import PluginManager
+    from tests.conftest import LIGHT_SAMPLER
+
+    with_plugin, bare = installed_plugins[1], PluginManager()
+    assert "mean_negative_logprob_x2" in with_plugin.losses.names()
+    assert load_plugins().losses is not with_plugin.losses
+    assert bare.losses.names() == [] and bare.engines == {}
+    only_builtin = PluginManager()
+    only_builtin.add(builtin, "builtin")
+    assert "mean_negative_logprob_x2" not in only_builtin.losses.names() and "grpo" in only_builtin.losses.names()
+    backend = InProcessBackend({"model_path": tiny_model, "sampler": LIGHT_SAMPLER}, plugins=only_builtin)
+    before = backend.state_digest()
+    with pytest.raises(UnknownName, match="mean_negative_logprob_x2"):
+        backend.fwd_bwd(grpo_batch(groups=1), "mean_negative_logprob_x2")
+    assert backend.state_digest() == before
+
+
 def test_cli_lists_plugins_and_failures_as_json(installed_plugins):
     target, _ = installed_plugins
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]))
@@ -127,12 +151,13 @@ def test_cli_lists_plugins_and_failures_as_json(installed_plugins):
 
 
 def test_registering_a_taken_name_with_another_function_fails():
-    get_plugin_manager()  # built-ins registered
     registry = Registry("loss")
     registry.add(Registered("x", print, source="a"))
     registry.add(Registered("x", print, source="a"))  # the same function again is fine
     with pytest.raises(ValueError, match="already registered"):
         registry.add(Registered("x", len, source="b"))
+    losses = load_plugins().losses
+    shadow = register_loss_fn("grpo")(lambda outputs, inputs, config: None)
     with pytest.raises(ValueError, match="already registered"):
-        register_loss_fn("grpo")(lambda outputs, inputs, config: None)
-    assert LOSSES.entries["grpo"].fn.__name__ == "grpo_loss"
+        losses.add(shadow.arctic_rl_registered)
+    assert losses.entries["grpo"].fn.__name__ == "grpo_loss"

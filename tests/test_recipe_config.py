@@ -7,7 +7,7 @@ import yaml
 
 from arctic_rl_core.cli import main as cli_main
 from arctic_rl_core.errors import InvalidRequest
-from arctic_rl_core.recipes.config import apply_override, bundled_recipes, load_recipe, resolve_recipe
+from arctic_rl_recipes.config import apply_override, bundled_recipes, load_recipe, resolve_recipe
 
 
 def write_recipe(tmp_path, **changes) -> str:

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from arctic_rl_core.errors import InvalidRequest
-from arctic_rl_core.recipes.rewards import RewardPool
-from arctic_rl_core.recipes.text2sql.execution import SQLExecutionError, execute, results_match
-from arctic_rl_core.recipes.text2sql.synthetic import SyntheticSQLConfig, generate_text2sql
-from arctic_rl_core.recipes.text2sql.task import Text2SQLConfig, Text2SQLTask, execution_reward, extract_sql
+from arctic_rl_recipes.rewards import RewardPool
+from arctic_rl_recipes.text2sql.execution import SQLExecutionError, execute, results_match
+from arctic_rl_recipes.text2sql.synthetic import SyntheticSQLConfig, generate_text2sql
+from arctic_rl_recipes.text2sql.task import Text2SQLConfig, Text2SQLTask, execution_reward, extract_sql
 
 RUNAWAY_CTE = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
 HOSTILE = [
@@ -71,7 +71,7 @@ def test_hostile_sql_changes_no_file_and_runaway_queries_stop_in_time(bird):
 
 
 def slow_reward(response: str, *, seconds: float):
-    from arctic_rl_core.recipes.task import Score
+    from arctic_rl_recipes.task import Score
 
     time.sleep(seconds)
     return Score(1.0, True)

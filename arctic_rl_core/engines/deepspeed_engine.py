@@ -27,7 +27,8 @@ from arctic_rl_core.engines.response_logits import ResponseLogits
 from arctic_rl_core.engines.distributed import init_distributed
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.losses.inputs import LossInputs
-from arctic_rl_core.losses.registry import POST_PROCESSORS, Registered
+from arctic_rl_core.losses.post_processors import compute_entropy, compute_logprobs
+from arctic_rl_core.losses.registry import Registered
 from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
 from arctic_rl_core.models.head import output_head
@@ -197,11 +198,11 @@ class DeepSpeedEngine(TrainingEngine):
             chunked = self.engine(**batch, targets=targets, temperature=temperature, with_entropy=with_entropy)
             return {"targets": targets, **chunked}
         outputs = {"logits": self.engine(**batch), "targets": targets}
-        chain = list(post) + [(POST_PROCESSORS.get("compute_logprobs", "post"), None)]
+        chain = [(entry.fn, cfg) for entry, cfg in post] + [(compute_logprobs, None)]
         if with_entropy:
-            chain.append((POST_PROCESSORS.get("compute_entropy", "post"), None))
-        for processor, cfg in chain:
-            outputs.update(processor.fn(outputs, mb.inputs, cfg))
+            chain.append((compute_entropy, None))
+        for fn, cfg in chain:
+            outputs.update(fn(outputs, mb.inputs, cfg))
         return outputs
 
     def _inputs_on_device(self, inputs: LossInputs) -> LossInputs:

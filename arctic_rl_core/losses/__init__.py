@@ -1,5 +1,5 @@
-"""Loss functions and post-processors, and their registries.
+"""Loss functions and post-processors, and the registry type the plugin manager fills with them.
 
-The built-in losses are registered by the built-in plugin (`arctic_rl_plugins.builtin`),
-so importing the registry does not import torch.
+The built-in ones are declared here and registered by the built-in plugin
+(`arctic_rl_plugins.builtin`); importing the registry does not import torch.
 """

@@ -1,8 +1,10 @@
 """Registries of loss functions and post-processors.
 
-`@register_loss_fn("name")` and `@register_post_processor("name")` add a
-function under a public name. Re-registering a name with a different
-function is an error, so two plugins cannot silently shadow each other.
+`@register_loss_fn("name")` and `@register_post_processor("name")` declare a
+function under a public name; a plugin's hook returns it and the plugin
+manager adds it to the registries it builds (importing a module registers
+nothing). Registering a name twice with different functions is an error, so
+two plugins cannot silently shadow each other.
 Each entry may carry a pydantic config model: unknown config keys are then
 rejected with the key's name before any model work starts.
 """
@@ -68,34 +70,29 @@ class Registry:
         return sorted(self.entries)
 
 
-LOSSES = Registry("loss")
-POST_PROCESSORS = Registry("post-processor")
-
-
-def _decorator(registry: Registry, name: str, config: type[pydantic.BaseModel] | None, requires: tuple[str, ...]):
+def _decorator(name: str, config: type[pydantic.BaseModel] | None, requires: tuple[str, ...]):
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        registry.add(Registered(name, fn, config, tuple(requires), f"{fn.__module__}.{fn.__qualname__}"))
-        fn.arctic_rl_registered = registry.entries[name]  # lets a plugin hand the entry back to the manager
+        fn.arctic_rl_registered = Registered(name, fn, config, tuple(requires), f"{fn.__module__}.{fn.__qualname__}")
         return fn
 
     return wrap
 
 
 def register_loss_fn(name: str, *, config: type[pydantic.BaseModel] | None = None, requires: tuple[str, ...] = ()):
-    """Register `fn(outputs, inputs, config) -> (loss, metrics)` as loss `name`.
+    """Declare `fn(outputs, inputs, config) -> (loss, metrics)` as loss `name`.
 
     `outputs` maps "logprobs" (and "entropy" when the config asks for it) to
     per-response-token tensors; `inputs` is a `LossInputs`; the loss must be a
     scalar normalised with the *global* denominators in `inputs` so that
     micro-batch losses add up to the batch loss.
     """
-    return _decorator(LOSSES, name, config, requires)
+    return _decorator(name, config, requires)
 
 
 def register_post_processor(name: str, *, config: type[pydantic.BaseModel] | None = None):
-    """Register `fn(outputs, inputs, config) -> dict` as post-processor `name`.
+    """Declare `fn(outputs, inputs, config) -> dict` as post-processor `name`.
 
     Post-processors run in order on the response-position logits before the
     loss; each returns the entries it adds to or replaces in `outputs`.
     """
-    return _decorator(POST_PROCESSORS, name, config, ())
+    return _decorator(name, config, ())

@@ -26,7 +26,7 @@ from arctic_rl_core import wire
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
-from arctic_rl_core.protocol import API_PREFIX, REQUEST_ID_HEADER, ROUTES, CheckpointRequest, Route
+from arctic_rl_core.calls import API_PREFIX, CALLS, REQUEST_ID_HEADER, Call, CheckpointRequest
 from arctic_rl_core.server.buffers import BufferPool
 from arctic_rl_core.server.idempotency import RequestIdConflict, RequestLog
 from arctic_rl_core.server.limits import OverLimit, RequestLimits
@@ -253,7 +253,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                 message = _decode(body, request.headers.get("content-type", ""))
             return {"bytes": len(body), "keys": sorted(message) if isinstance(message, dict) else []}
 
-    def add_route(route: Route):
+    def add_route(route: Call):
         async def handler(request: Request):
             content_type = request.headers.get("content-type", "")
             async with read(request) as body:
@@ -268,14 +268,14 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                 request_id = request.headers.get(REQUEST_ID_HEADER)
 
                 async def apply():
-                    return await run_in(job.ordered, route.call, job.api, query)
+                    return await run_in(job.ordered, route.invoke, job.api, query)
 
                 if request_id:
                     result = await job.requests.once(request_id, fingerprint, apply)
                 else:
                     result = await apply()
             else:
-                result = await run_in(job.reads, route.call, job.api, query)
+                result = await run_in(job.reads, route.invoke, job.api, query)
             return _encode(result, wire_format=content_type.startswith(wire.MEDIA_TYPE))
 
         schema = route.request.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -283,13 +283,13 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
         response_schema = route.response.model_json_schema(ref_template="#/components/schemas/{model}")
         response_schema.pop("$defs", None)
         app.add_api_route(
-            f"{API_PREFIX}/{route.name}", handler, methods=["POST"], name=route.name,
+            route.path, handler, methods=["POST"], name=route.name,
             openapi_extra={"requestBody": {"required": True, "content": {
                 "application/json": {"schema": schema}, wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
             responses={200: {"content": {"application/json": {"schema": response_schema}}}},
         )
 
-    for route in ROUTES.values():
+    for route in CALLS.values():
         add_route(route)
 
     base_openapi = app.openapi
@@ -297,7 +297,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
     def openapi():
         spec = base_openapi()
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
-        for route in ROUTES.values():
+        for route in CALLS.values():
             for model in (route.request, route.response):
                 schemas.update(model.model_json_schema(ref_template="#/components/schemas/{model}").pop("$defs", {}))
         return spec

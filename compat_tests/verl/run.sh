@@ -16,7 +16,8 @@ if [ ! -f "$STAMP" ]; then
   "$VENV/bin/python" -m pip install --quiet "verl[verl-core]==0.9.1" "pytest==9.2.0" "pandas>=2" "pyarrow>=15"
   touch "$STAMP"
 fi
-# The adapter as a user installs it: a regular (non-editable) install, so Hydra finds its search-path plugin.
-"$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps .
-"$VENV/bin/python" -m pip install --quiet "pydantic>=2.10,<3" "pluggy>=1.5,<2" "httpx>=0.27,<1" "safetensors>=0.5"
+# As a user installs them into verl's environment: Arctic RL's thin client (the base package, no extras),
+# then the adapter's own distribution, both regular installs (Hydra finds the adapter's search-path plugin).
+"$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/verl
+"$VENV/bin/python" -m pip install --quiet . ./adapters/verl
 ARCTIC_RL_MAIN_PYTHON="$PWD/.venv/bin/python" "$VENV/bin/python" -m pytest -q -p no:cacheprovider compat_tests/verl "$@"

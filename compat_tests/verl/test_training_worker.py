@@ -26,9 +26,9 @@ from verl.workers.config import ActorConfig, HFModelConfig, OptimizerConfig, Tra
 from verl.workers.engine_workers import TrainingWorker  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from arctic_rl_adapters.verl.batch import full_row_layout  # noqa: E402
-from arctic_rl_adapters.verl.config import ArcticEngineConfig  # noqa: E402
-from arctic_rl_adapters.verl.connect import ArcticSetupError  # noqa: E402
+from arctic_rl_verl.batch import full_row_layout  # noqa: E402
+from arctic_rl_verl.config import ArcticEngineConfig  # noqa: E402
+from arctic_rl_verl.connect import ArcticSetupError  # noqa: E402
 from arctic_rl_core.types import Sequence  # noqa: E402
 
 from conftest import free_port, make_model  # noqa: E402
@@ -149,8 +149,8 @@ def test_misconfiguration_fails_at_start_up_saying_what_to_fix(tiny_model, serve
 def test_the_cpu_process_group_patch_is_recorded_and_refuses_to_patch_twice():
     import verl.utils.distributed as verl_distributed
 
-    from arctic_rl_adapters.verl.patches import APPLIED
-    from arctic_rl_adapters.verl.plugin import cpu_process_group_patch
+    from arctic_rl_verl.patches import APPLIED
+    from arctic_rl_verl.plugin import cpu_process_group_patch
 
     patch = APPLIED["verl.utils.distributed.initialize_global_process_group_ray"]
     assert verl_distributed.initialize_global_process_group_ray is not patch.original

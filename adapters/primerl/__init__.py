@@ -1,1 +1,0 @@
-"""PrimeRL adapter. Not implemented yet."""

@@ -1,1 +1,0 @@
-"""SkyRL adapter. Not implemented yet."""

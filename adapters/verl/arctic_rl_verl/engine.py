@@ -1,0 +1,130 @@
+"""verl's training engine `arctic_rl`: every call goes to an Arctic RL server through the thin client.
+
+verl's `TrainingWorker` drives it exactly as it drives its FSDP engine:
+`forward_backward_batch` (log-probs for `compute_log_prob`, or the actor update),
+`optimizer_step`, checkpoints. The weights live in the backend; this process holds none.
+
+Actor update: the whole mini-batch goes to the backend in one `fwd_bwd` call, so GRPO
+groups (verl's `uid`) arrive whole and ZoRRo computes each shared prompt once. verl's own
+loss function is also evaluated on the backend's log-probs of the same batch (no gradient),
+so the metrics verl reports (`actor/pg_loss`, `actor/pg_clipfrac`, `actor/ppo_kl`, ...) are
+verl's; `arctic/loss` is the backend's own value for the same loss, for comparison.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.py_functional import append_to_dict
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+
+from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch
+from arctic_rl_verl.connect import connect
+
+logger = logging.getLogger(__name__)
+
+
+@EngineRegistry.register(model_type="language_model", backend="arctic_rl", device=["cuda", "npu", "cpu"])
+class ArcticRLEngine(BaseEngine):
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, **kwargs):
+        super().__init__()
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.optimizer_config = optimizer_config
+        self.checkpoint_config = checkpoint_config
+        self.client = None
+        self.mode = None
+
+    def initialize(self):
+        if getattr(self.engine_config, "forward_only", False):
+            raise ValueError("arctic_rl serves the policy only, not a frozen reference model: set "
+                             "actor_rollout_ref.actor.use_kl_loss=False and algorithm.use_kl_in_reward=False")
+        self.client = connect(self.engine_config, self.model_config, self.optimizer_config)
+
+    # -- no local parameters, nothing to offload -----------------------------------------------------
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return False
+
+    def train_mode(self, **kwargs):
+        return BaseEngineCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs):
+        return BaseEngineCtx(self, "eval", **kwargs)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        super().to(device, model, optimizer, grad)
+
+    # -- one verl rank per backend: the backend shards internally --------------------------------------
+
+    def get_data_parallel_rank(self):
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def get_data_parallel_size(self):
+        return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def get_data_parallel_group(self):
+        # Not None: verl gathers per-rank metrics over this group before flattening them.
+        return torch.distributed.group.WORLD
+
+    def is_mp_src_rank_with_outputs(self):
+        return True
+
+    # -- compute -----------------------------------------------------------------------------------------
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
+        sequences = sequences_from_batch(data)
+        temperature = batch_temperature(data)
+        with_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        scored = self.client.log_probs(sequences, with_entropy=with_entropy, temperature=temperature)
+        model_output = {"log_probs": full_row_layout(scored.logprobs, data)}
+        if with_entropy:
+            model_output["entropy"] = full_row_layout(scored.entropy, data)
+        metrics: dict = {}
+        losses = [0.0]
+        if loss_function is not None:
+            # verl's loss reads the mini-batch's token count and data-parallel size from the batch.
+            tu.assign_non_tensor(data, batch_num_tokens=float(data["loss_mask"].sum()), dp_size=self.get_data_parallel_size())
+            with torch.no_grad():
+                verl_loss, verl_metrics = loss_function(model_output=model_output, data=data,
+                                                        dp_group=self.get_data_parallel_group())
+            append_to_dict(metrics, verl_metrics)
+            losses = [float(verl_loss)]
+            if not forward_only:
+                actor_config = loss_function.keywords["config"]
+                result = self.client.fwd_bwd(sequences, loss_spec(actor_config, temperature))
+                append_to_dict(metrics, {"arctic/loss": result.loss, "arctic/num_tokens": float(result.num_tokens),
+                                         "arctic/groups": float(len({s.group_id for s in sequences}))})
+        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+
+    def optimizer_zero_grad(self):
+        pass  # the backend's gradients are zeroed by its own step
+
+    def optimizer_step(self):
+        return self.client.step(self.optimizer_config.lr).grad_norm
+
+    def lr_scheduler_step(self):
+        return self.optimizer_config.lr  # constant: warm-up and decay schedules are not forwarded
+
+    # -- weights stay in the backend -----------------------------------------------------------------------
+
+    def get_per_tensor_param(self, **kwargs):
+        # Nothing to ship: the rollout's update_weights asks the backend to sync_weights itself.
+        return iter(()), None
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        # The path is the server's: share the checkpoint folder between the machines (or run them on one).
+        self.client.save_checkpoint(os.path.abspath(local_path))
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
+        self.client.load_checkpoint(os.path.abspath(local_path))

@@ -1,0 +1,62 @@
+"""Entry point `verl.plugins: arctic_rl`, imported by `import verl` in every verl process.
+
+verl ignores what the import returns and hides its errors at debug level, so this module
+registers everything as it is imported and logs its own failures loudly. In order:
+1. on machines without an accelerator, a CPU platform (before verl first resolves one) and
+   the process-group patch that CPU needs;
+2. the `arctic_rl` training engine and rollout;
+3. the `arctic_rl_backend` config resolver (`trainer.backend` in `arctic_ppo_trainer`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("arctic_rl_verl")
+BACKENDS = {"arctic-rl": "arctic_rl"}
+
+
+def backend_name(choice: str) -> str:
+    """`trainer.backend` -> verl's engine/rollout name; anything else is a configuration error."""
+    if choice not in BACKENDS:
+        raise ValueError(f"trainer.backend={choice!r}: the arctic_ppo_trainer config serves {', '.join(BACKENDS)}")
+    return BACKENDS[choice]
+
+
+def cpu_process_group_patch():
+    """verl's workers join a process group with backend "cpu:gloo,<device>:<comm>", which on a CPU
+    platform reads "cpu:gloo,cpu:gloo" and torch refuses; plain gloo is what CPU needs."""
+    import verl.utils.distributed as verl_distributed
+
+    from arctic_rl_verl.patches import Patch
+
+    def make(original):
+        def initialize_global_process_group_ray(timeout_second=None, backend=None):
+            return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+        return initialize_global_process_group_ray
+
+    return Patch(verl_distributed, "initialize_global_process_group_ray", make,
+                 reason="CPU platform: join the process group with plain gloo")
+
+
+def load() -> None:
+    import torch
+    from omegaconf import OmegaConf
+
+    if not torch.cuda.is_available():
+        from arctic_rl_verl import platform_cpu  # noqa: F401  (registers the platform)
+
+        cpu_process_group_patch().apply()
+    from arctic_rl_verl import engine  # noqa: F401  (registers the engine)
+    from arctic_rl_verl import rollout
+
+    rollout.register()
+    OmegaConf.register_new_resolver("arctic_rl_backend", backend_name, replace=True)
+
+
+try:
+    load()
+except Exception:
+    logger.exception("the arctic_rl verl plugin failed to load; verl will not find the arctic_rl engine or rollout")
+    raise

@@ -1,0 +1,182 @@
+"""verl's rollout `arctic_rl`: generation on Arctic RL's sampler, weight sync inside the backend.
+
+Three pieces, all selected by `actor_rollout_ref.rollout.name=arctic_rl`:
+- `ArcticReplica` (verl's `RolloutReplicaRegistry`): starts one `ArcticServer` actor.
+- `ArcticServer` (a Ray actor): verl's agent loop sends it one request per sample; requests that
+  arrive together are batched into one `generate` call, so vLLM prefills each shared prompt once.
+- `ArcticRolloutAdapter` (the hybrid worker's rollout): verl calls its `update_weights` after every
+  step; it asks the backend to `sync_weights` (the trainer's weights never travel through verl).
+
+The server address comes from `actor_rollout_ref.rollout.custom.arctic` (the adapter's
+`arctic_ppo_trainer` config points it at `actor_rollout_ref.actor.arctic`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import ray
+from verl.workers.rollout import base as rollout_base
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+from arctic_rl_verl.connect import URL_KEY, ArcticSetupError, client_for
+from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_core.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+SERVER_PREFIX = "arctic_rl_server_"
+BATCH_WINDOW_S = 0.005
+"""How long the server waits for more requests before sending a batch."""
+
+
+@dataclass
+class RolloutSettings:
+    url: str
+    token_env: str = "ARCTIC_RL_TOKEN"
+    timeout_s: float = 600.0
+
+    @classmethod
+    def from_rollout_config(cls, config) -> "RolloutSettings":
+        custom = dict(config.custom or {})
+        arctic = dict(custom.get("arctic") or {})
+        if not arctic.get("url"):
+            raise ArcticSetupError(f"actor_rollout_ref.rollout.custom.arctic.url is not set (the arctic_ppo_trainer "
+                                   f"config takes it from {URL_KEY})")
+        return cls(url=arctic["url"], token_env=arctic.get("token_env", cls.token_env),
+                   timeout_s=float(arctic.get("timeout_s", cls.timeout_s)))
+
+    def client(self) -> ArcticRLClient:
+        return client_for(self.url, self.token_env, self.timeout_s)
+
+
+def to_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
+    """verl's per-request sampling dict as Arctic RL's `SamplingParams` (one sample per request)."""
+    if params.get("repetition_penalty", 1.0) != 1.0:
+        raise ValueError("arctic_rl does not support repetition_penalty")
+    top_k = int(params.get("top_k", -1))
+    return SamplingParams(
+        n=1, temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
+        top_k=max(top_k, 0), max_tokens=int(params.get("max_tokens") or params.get("max_new_tokens") or default_max_tokens),
+        stop_token_ids=list(params.get("stop_token_ids") or []), seed=params.get("seed"),
+    )
+
+
+class ArcticServer:
+    """The handle verl's agent loop sends `generate` requests to."""
+
+    def __init__(self, config, replica_rank: int):
+        self.settings = RolloutSettings.from_rollout_config(config)
+        self.client = self.settings.client()
+        self.response_length = config.response_length
+        self.replica_rank = replica_rank
+        self._pending: dict[str, list[tuple[list[int], asyncio.Future]]] = {}
+        self._flush: Optional[asyncio.Task] = None
+        self.global_steps: Optional[int] = None
+        """verl's step whose weights the sampler holds (verl tracks sample staleness by it)."""
+
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
+                       **kwargs) -> TokenOutput:
+        if image_data or video_data:
+            raise ValueError("arctic_rl serves text-only rollouts")
+        params = to_sampling_params(dict(sampling_params), self.response_length)
+        future = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(params.model_dump_json(), []).append((list(prompt_ids), future))
+        if self._flush is None:
+            self._flush = asyncio.create_task(self._send_batches())
+        completion = await future
+        return TokenOutput(token_ids=completion.token_ids, log_probs=completion.logprobs, stop_reason="completed",
+                           extra_fields={"global_steps": self.global_steps,
+                                         "arctic_weight_version": completion.weight_version})
+
+    async def _send_batches(self):
+        await asyncio.sleep(BATCH_WINDOW_S)
+        pending, self._pending, self._flush = self._pending, {}, None
+        for key, requests in pending.items():
+            params = SamplingParams.model_validate_json(key)
+            try:
+                completions = await asyncio.to_thread(self.client.generate, [p for p, _ in requests], params)
+            except Exception as err:  # every waiting request sees the backend's error
+                for _, future in requests:
+                    future.set_exception(err)
+                continue
+            for completion in completions:
+                requests[completion.prompt_index][1].set_result(completion)
+
+    async def set_global_steps(self, global_steps: int):
+        self.global_steps = global_steps
+
+    # verl's control plane: memory and scheduling are the backend's business.
+    async def wake_up(self, tags=None):
+        pass
+
+    async def sleep(self):
+        pass
+
+    async def clear_kv_cache(self):
+        pass
+
+    async def release_kv_cache(self):
+        pass
+
+    async def resume_kv_cache(self):
+        pass
+
+    async def abort_all_requests(self, reject_request: bool = False, **kwargs):
+        return {"aborted_count": 0, "request_ids": []}
+
+    async def resume_generation(self):
+        pass
+
+    async def start_profile(self, **kwargs):
+        pass
+
+    async def stop_profile(self):
+        pass
+
+
+class ArcticReplica(RolloutReplica):
+    async def launch_servers(self):
+        name = f"{SERVER_PREFIX}{self.replica_rank}{self.name_suffix}"
+        server = (ray.remote(ArcticServer)
+                  .options(name=name, num_cpus=0, max_concurrency=self.max_concurrency)
+                  .remote(config=self.config, replica_rank=self.replica_rank))
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"arctic-rl://{name}"  # the load balancer's key
+
+
+class ArcticRolloutAdapter(BaseRollout):
+    """The rollout object inside verl's hybrid worker; only weight sync reaches it."""
+
+    def __init__(self, config, model_config, device_mesh=None, **kwargs):
+        super().__init__(config, model_config, device_mesh)
+        self.client = RolloutSettings.from_rollout_config(config).client()
+
+    async def resume(self, tags: list[str]):
+        pass
+
+    async def release(self):
+        pass
+
+    async def update_weights(self, weights, **kwargs):
+        leftover = sum(1 for _ in weights)  # the engine hands over none: the weights stay in the backend
+        if leftover:
+            raise RuntimeError(f"arctic_rl's rollout got {leftover} tensors from a non-arctic_rl training engine")
+        version = await asyncio.to_thread(self.client.sync_weights)
+        steps = kwargs.get("global_steps")
+        for name in ray.util.list_named_actors():
+            if name.startswith(SERVER_PREFIX):
+                await ray.get_actor(name).set_global_steps.remote(steps)
+        logger.info("arctic_rl: backend weights synced into the sampler (weight_version %d, global step %s)",
+                    version, steps)
+
+
+def register() -> None:
+    RolloutReplicaRegistry.register("arctic_rl", lambda: ArcticReplica)
+    # verl keeps the hybrid-worker rollouts in a plain dict with no register function.
+    rollout_base._ROLLOUT_REGISTRY[("arctic_rl", "async")] = f"{__name__}.ArcticRolloutAdapter"

@@ -1,0 +1,29 @@
+"""The benchmarks' plugin: `arctic-rl bench …` (entry point `arctic_rl: benchmarks`).
+
+Each benchmark module is imported only when its command runs, so listing commands stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from arctic_rl_core.plugins import Command, hookimpl
+
+BENCHMARKS = {
+    "zorro": "fwd_bwd and log_probs with ZoRRo off vs on",
+    "server": "HTTP round-trip latency, payload throughput and fwd_bwd request overhead over loopback",
+    "sync": "sync_weights time and GB/s per path and model size, beside memcpy",
+    "e2e": "seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async",
+}
+
+
+def _command(name: str, help: str) -> Command:
+    module = f"arctic_rl_bench.{name}"
+    return Command(("bench", name), help,
+                   lambda p: importlib.import_module(module).add_arguments(p),
+                   lambda args: importlib.import_module(module).main(args))
+
+
+@hookimpl
+def arctic_rl_commands():
+    return [_command(name, help) for name, help in BENCHMARKS.items()]

@@ -1,0 +1,195 @@
+"""`arctic-rl bench zorro`: fwd_bwd and log_probs on one GRPO batch, ZoRRo off vs on, same engine.
+
+ZoRRo off is plain packing as the peers do it: a right-padded batch, one
+sequence per row, causal SDPA (flash attention on CPU and GPU), so attention
+costs per sequence only. Each mode runs in its own process so that peak memory
+is its own; the parent compares their log-probs and gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+
+SEED = 1234
+
+
+def build_batch(prompt_len: int, response_len: int, group: int, groups: int, vocab: int):
+    from arctic_rl_core.types import Sequence
+
+    rng = random.Random(SEED)
+    seqs = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        for _ in range(group):
+            seqs.append(
+                Sequence(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(3, vocab) for _ in range(response_len)],
+                    group_id=g,
+                    advantages=[rng.uniform(-1, 1)] * response_len,
+                    behaviour_logprobs=[-rng.uniform(4, 8) for _ in range(response_len)],
+                )
+            )
+    return seqs
+
+
+def worker(mode: str, args: dict, out_dir: str) -> dict:
+    """Runs in a child process: one mode, timings, peak memory, outputs saved for comparison."""
+    import torch
+    from safetensors.torch import save_file
+
+    from arctic_rl_core.backend import InProcessBackend
+    from arctic_rl_bench.measure import current_rss_mb, median_seconds, peak_rss_mb
+
+    torch.set_num_threads(args["threads"] or torch.get_num_threads())
+    backend = InProcessBackend(
+        {
+            "model_path": args["model_dir"],
+            "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": 10**9, "grad_clip": None},
+            "zorro": {"enable": mode == "zorro"},
+        }
+    )
+    seqs = build_batch(args["prompt_len"], args["response_len"], args["group"], args["groups"], backend.engine.vocab_size)
+    cuda = torch.cuda.is_available()
+
+    def mem_start():
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated() / 2**20
+        return current_rss_mb()
+
+    def mem_peak(start):
+        if cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / 2**20 - start
+        return peak_rss_mb() - start
+
+    module = backend.engine.engine.module
+
+    def fwd_bwd():
+        module.zero_grad(set_to_none=True)
+        backend.fwd_bwd(seqs, "grpo")
+        if cuda:
+            torch.cuda.synchronize()
+
+    def log_probs():
+        out = backend.log_probs(seqs)
+        if cuda:
+            torch.cuda.synchronize()
+        return out
+
+    # log_probs first: its peak is lower, and on CPU peak RSS never goes down.
+    start = mem_start()
+    lp_s, lp_all = median_seconds(log_probs, args["repeats"])
+    lp_mem = mem_peak(start)
+    logprobs = log_probs().logprobs
+    start = mem_start()
+    fb_s, fb_all = median_seconds(fwd_bwd, args["repeats"])
+    fb_mem = mem_peak(start)
+    grads = {n: p.grad.detach().float().cpu().contiguous() for n, p in module.named_parameters() if p.grad is not None}
+    grads["__logprobs__"] = torch.tensor([x for row in logprobs for x in row])
+    save_file(grads, os.path.join(out_dir, f"{mode}.safetensors"))
+    return {"fwd_bwd_s": fb_s, "fwd_bwd_all_s": fb_all, "fwd_bwd_peak_mb": fb_mem,
+            "log_probs_s": lp_s, "log_probs_all_s": lp_all, "log_probs_peak_mb": lp_mem}
+
+
+def run(args: dict) -> dict:
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from arctic_rl_bench.measure import run_worker
+    from arctic_rl_core.models.tiny import make_tiny_model
+    from arctic_rl_core.zorro.cost import Shape, theoretical_speedup
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = dict(args)
+        args["model_dir"] = make_tiny_model(
+            args["family"], os.path.join(tmp, "model"), layers=args["layers"], hidden=args["hidden"],
+            heads=args["heads"], kv_heads=args["kv_heads"], max_positions=args["prompt_len"] + args["response_len"],
+        )
+        results = {mode: run_worker("arctic_rl_bench.zorro", mode, json.dumps(args), tmp) for mode in ("naive", "zorro")}
+        naive, zorro = load_file(os.path.join(tmp, "naive.safetensors")), load_file(os.path.join(tmp, "zorro.safetensors"))
+        config = AutoConfig.from_pretrained(args["model_dir"])
+    lp_n, lp_z = naive.pop("__logprobs__"), zorro.pop("__logprobs__")
+    g_n = torch.cat([naive[k].flatten() for k in sorted(naive)])
+    g_z = torch.cat([zorro[k].flatten() for k in sorted(naive)])
+    shape = Shape(args["prompt_len"], args["response_len"], args["group"], args["groups"])
+    theory = theoretical_speedup(config, shape)
+    n, z = results["naive"], results["zorro"]
+    return {
+        "benchmark": "zorro",
+        "shape": {k: args[k] for k in ("family", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "group", "groups", "dtype")},
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
+        "repeats": args["repeats"],
+        "tokens_naive": shape.groups * shape.group * (shape.prompt_len + shape.response_len),
+        "tokens_zorro": shape.groups * (shape.prompt_len + shape.group * shape.response_len),
+        "naive_s": n["fwd_bwd_s"],
+        "zorro_s": z["fwd_bwd_s"],
+        "speedup": n["fwd_bwd_s"] / z["fwd_bwd_s"],
+        "theory": theory,
+        "logprob_max_abs_err": float((lp_n - lp_z).abs().max()),
+        "grad_rel_err": float((g_n - g_z).norm() / g_n.norm()),
+        "peak_mem_naive_mb": n["fwd_bwd_peak_mb"],
+        "peak_mem_zorro_mb": z["fwd_bwd_peak_mb"],
+        "log_probs": {
+            "naive_s": n["log_probs_s"],
+            "zorro_s": z["log_probs_s"],
+            "speedup": n["log_probs_s"] / z["log_probs_s"],
+            "theory": theory,
+            "logprob_max_abs_err": float((lp_n - lp_z).abs().max()),
+            "peak_mem_naive_mb": n["log_probs_peak_mb"],
+            "peak_mem_zorro_mb": z["log_probs_peak_mb"],
+        },
+        "raw_s": {"naive": {"fwd_bwd": n["fwd_bwd_all_s"], "log_probs": n["log_probs_all_s"]},
+                  "zorro": {"fwd_bwd": z["fwd_bwd_all_s"], "log_probs": z["log_probs_all_s"]}},
+    }
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--family", choices=["qwen3", "qwen2", "llama"], default="qwen3")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--groups", type=int, default=1)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", action="store_true")
+
+
+def main(args) -> int:
+    spec = {k: getattr(args, k) for k in ("family", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len",
+                                           "group", "groups", "dtype", "repeats", "threads")}
+    for name in ("prompt_len", "response_len", "group", "groups", "layers", "hidden", "repeats"):
+        if spec[name] < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    result = run(spec)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"fwd_bwd:   naive {result['naive_s']:.3f}s  zorro {result['zorro_s']:.3f}s  speedup {result['speedup']:.2f}x  "
+              f"(theory {result['theory']:.2f}x)  peak MB {result['peak_mem_naive_mb']:.0f} -> {result['peak_mem_zorro_mb']:.0f}")
+        lp = result["log_probs"]
+        print(f"log_probs: naive {lp['naive_s']:.3f}s  zorro {lp['zorro_s']:.3f}s  speedup {lp['speedup']:.2f}x  "
+              f"peak MB {lp['peak_mem_naive_mb']:.0f} -> {lp['peak_mem_zorro_mb']:.0f}")
+        print(f"parity: logprob max abs err {result['logprob_max_abs_err']:.2e}, grad rel err {result['grad_rel_err']:.2e}")
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--worker":
+    from arctic_rl_core.engines.distributed import select_accelerator
+    from transformers.utils import logging as hf_logging
+
+    select_accelerator()
+    hf_logging.disable_progress_bar()
+    print(json.dumps(worker(sys.argv[2], json.loads(sys.argv[3]), sys.argv[4])))
