@@ -88,7 +88,13 @@ class InProcessBackend(TrainingAPI):
                 self.sampler.wake_up()
 
     def _micro_batches(self, seqs: list[Sequence]):
+        # The one ZoRRo switch: `config.zorro.enable`, read here at every call (a benchmark may flip it between
+        # calls). The engine loads ZoRRo's attention wherever the family allows, so either way the numbers are
+        # the model's; a family ZoRRo cannot serve runs its own attention, which cannot take a packed forest.
         zorro = self.config.zorro
+        if zorro.enable and not getattr(self.engine, "zorro_loaded", False):
+            raise InvalidRequest("zorro.enable", "this model runs its own attention: ZoRRo cannot serve its family "
+                                                 "(load it with zorro.enable=true for the reason)")
         return build_micro_batches(
             seqs, token_budget=self.config.engine.micro_batch_tokens, weight_version=self._weight_version,
             pad_id=self.engine.pad_token_id, forest=zorro.enable, min_shared_tokens=zorro.min_shared_tokens,
@@ -161,7 +167,7 @@ class InProcessBackend(TrainingAPI):
         return LogProbsResult(logprobs=logprobs, entropy=entropy if with_entropy else None, weight_version=self._weight_version)
 
     def fwd_bwd(self, sequences, loss: LossSpec | dict | str) -> FwdBwdResult:
-        spec = parse(LossSpec, {"name": loss} if isinstance(loss, str) else loss, "loss")
+        spec = parse(LossSpec, loss, "loss")
         entry = self.plugins.losses.get(spec.name, "loss.name")
         loss_config = entry.parse_config(spec.config, "loss.config")
         post = self._post_chain(spec.post)
@@ -181,6 +187,7 @@ class InProcessBackend(TrainingAPI):
             metrics=metrics,
             num_tokens=int(micro[0].inputs.num_tokens),
             num_sequences=len(seqs),
+            computed_tokens=sum(int(mb.input_ids.numel()) for mb in micro),
             weight_version=self._weight_version,
         )
 
@@ -249,16 +256,6 @@ class InProcessBackend(TrainingAPI):
             "generated": dict(self.generated),
             "sync_route": self.sampler.sync_route,
         }
-
-    def set_zorro(self, enable: bool) -> None:
-        """Turn ZoRRo packing on or off for later calls (benchmarks compare both on one engine). The engine
-        loads ZoRRo's attention wherever the family allows, so both give the model's numbers; a family ZoRRo
-        cannot serve runs its own attention, which cannot take a packed forest."""
-        if enable and not getattr(self.engine, "zorro_loaded", False):
-            raise InvalidRequest("zorro.enable", "this model runs its own attention: ZoRRo cannot serve its family "
-                                                 "(load it with zorro.enable=true for the reason)")
-        with self._train_lock:
-            self.config.zorro.enable = bool(enable)
 
     def state_digest(self) -> str:
         """Hash of all weights and optimizer state (for tests and for checking that a request changed nothing)."""

@@ -37,6 +37,9 @@ def _cmd_doctor(args) -> int:
         print(f"  {name:<22} {state}")
     print(f"engines: {', '.join(report['engines'])}; samplers: {', '.join(report['samplers'])}; "
           f"plugin failures: {report['plugin_failures']}")
+    print(f"patches applied in this process: {len(report['patches'])}")
+    for row in report["patches"]:
+        print(f"  {row['patch']} (x{row['count']}, {row['active']} active, by {row['by']}): {row['reason']}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`arctic-rl doctor`: which engines, samplers and devices are usable here, with versions."""
+"""`arctic-rl doctor`: which engines, samplers and devices are usable here, with versions, and the
+runtime patches applied in this process."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _importable(module: str) -> str | None:
 
 
 def diagnose() -> dict:
-    from arctic_rl_core.plugins.manager import get_plugin_manager
+    from arctic_rl_core.patches import applied
+    from arctic_rl_core.plugins import load_plugins
 
     report: dict = {"python": platform.python_version(), "platform": platform.platform()}
     report["packages"] = {
@@ -49,8 +51,10 @@ def diagnose() -> dict:
     report["devices"] = devices
     checks = {"engine:deepspeed": "deepspeed", "sampler:transformers": "transformers", "sampler:vllm": "vllm"}
     report["components"] = {name: (_importable(mod) or "usable") for name, mod in checks.items()}
-    plugins = get_plugin_manager()
+    plugins = load_plugins()
     report["engines"] = sorted(plugins.engines)
     report["samplers"] = sorted(plugins.samplers)
     report["plugin_failures"] = len(plugins.failures)
+    report["patches"] = applied()
+    """Runtime changes to other projects' code in this process (a server lists its own in /v1/status)."""
     return report

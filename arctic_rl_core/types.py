@@ -119,6 +119,8 @@ class FwdBwdResult(_Strict):
     num_tokens: int
     """Response tokens with a non-zero loss mask."""
     num_sequences: int
+    computed_tokens: int
+    """Positions the model ran, padding included: with ZoRRo each shared prompt counts once."""
     weight_version: int
 
 

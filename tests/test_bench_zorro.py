@@ -17,6 +17,7 @@ def test_bench_zorro_reports_parity_and_fields():
     common = ("naive_s", "zorro_s", "speedup", "theory", "logprob_max_abs_err", "peak_mem_naive_mb", "peak_mem_zorro_mb")
     assert set(common) | {"grad_rel_err"} <= set(result)
     assert set(common) <= set(result["log_probs"])
+    # the tokens the engine reports it ran: every sequence whole, or each group's prompt once
     assert result["tokens_naive"] == 2 * 4 * 56 and result["tokens_zorro"] == 2 * (48 + 4 * 8)
     assert result["logprob_max_abs_err"] < 1e-4 and result["grad_rel_err"] < 1e-4
     assert 1.0 < result["theory"] < 56 * 4 / (48 + 4 * 8) + 1e-9  # bounded by the token ratio

@@ -39,11 +39,11 @@ def test_logprobs_are_the_models_own_with_zorro_on_off_and_switched(tiny_models,
     own = own_logprobs(tiny_models[family], seqs)
     backend = make_backend(model_path=tiny_models[family])
     assert max_err(backend.log_probs(seqs).logprobs, own) <= 2e-6
-    backend.set_zorro(False)  # the same split attention, one padded row per sequence
+    backend.config.zorro.enable = False  # at run time: the same split attention, one padded row per sequence
     assert max_err(backend.log_probs(seqs).logprobs, own) <= 2e-6
     off = make_backend(model_path=tiny_models[family], zorro=False)  # ZoRRo's attention all the same: no packing
     assert max_err(off.log_probs(seqs).logprobs, own) <= 2e-6
-    off.set_zorro(True)  # the one switch: packing turned on at run time gives the same numbers
+    off.config.zorro.enable = True  # the one switch: packing turned on at run time gives the same numbers
     assert max_err(off.log_probs(seqs).logprobs, own) <= 2e-6
 
 
@@ -110,10 +110,13 @@ def test_families_zorro_cannot_serve_are_refused_at_load_and_train_without_it(tm
     assert err.value.field == "zorro.enable"
     assert config in err.value.message and feature in err.value.message and "zorro.enable=false" in err.value.message
     backend = make_backend(model_path=model_dir, zorro=False)  # its own attention: the engine's default, SDPA
-    with pytest.raises(InvalidRequest) as err:
-        backend.set_zorro(True)
-    assert err.value.field == "zorro.enable"
     seqs = long_batch()
+    backend.config.zorro.enable = True  # packing cannot be turned on for a model running its own attention
+    before = backend.state_digest()
+    with pytest.raises(InvalidRequest) as err:
+        backend.fwd_bwd(seqs, "grpo")
+    assert err.value.field == "zorro.enable" and backend.state_digest() == before
+    backend.config.zorro.enable = False
     assert max_err(backend.log_probs(seqs).logprobs, own_logprobs(model_dir, seqs, "sdpa")) <= 2e-6
     backend.fwd_bwd(seqs, "grpo")
     backend.step()

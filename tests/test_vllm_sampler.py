@@ -54,6 +54,10 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
         assert result["plain_linear"] == (layout == "plain")
         if layout == "plain":
             assert result["written_in_place"]
+        # every change to vLLM's objects and environment is a recorded patch
+        patches = result["patches"]
+        assert patches["os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']"] == 0  # scoped to the engine's start
+        assert ("linear layers keep their checkpoint-layout weights (_cpu_skip_gemm_dispatch)" in patches) == (layout == "plain")
 
 
 @pytest.mark.scenario
@@ -68,8 +72,11 @@ def test_bad_generate_input_names_the_field_and_engine_keeps_serving(tiny_model)
                                 "negative_max_tokens": "sampling.max_tokens", "stop_token": "sampling.stop_token_ids",
                                 "sampler_temperature": "temperature"}
     assert result["still_serving"]
-    for reason, length in zip(result["finish"], result["lengths"]):
-        assert reason == "length" and length == 4 or reason == "stop"
+    greedy, cut = result["greedy"], result["cut"]
+    assert result["free_finish"] == "length" and len(greedy) == 8
+    assert result["finish"] == ["stop", "stop"]
+    for tokens in result["stopped"]:  # vLLM keeps the stop token itself in the ids
+        assert tokens == greedy[: cut + 1], (tokens, greedy, cut)
     assert result["seeded_batch"] == [96, True]
 
 

@@ -70,6 +70,9 @@ def sync(model_dir, sync_path, placement, layout):
     ).logprobs
     result["behaviour_err"] = max_err([c.logprobs for c in completions], scored)
     result["completion_versions"] = sorted({c.weight_version for c in completions})
+    from arctic_rl_core.patches import applied
+
+    result["patches"] = {row["patch"].split(": ")[-1]: row["active"] for row in applied()}
     return result
 
 
@@ -117,13 +120,18 @@ def bad_input(model_dir):
             fields[name] = None
         except InvalidRequest as err:
             fields[name] = err.field
-    out = api.generate([[5, 6, 7]], {"n": 2, "max_tokens": 4, "stop_token_ids": [7]})
+    # A stop token ends a completion where greedy decoding first produces it, and nowhere else.
+    [free] = api.generate([[5, 6, 7]], {"max_tokens": 8, "temperature": 0})
+    greedy = free.token_ids
+    cut = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
+    out = api.generate([[5, 6, 7]], {"n": 2, "max_tokens": 8, "temperature": 0, "stop_token_ids": [greedy[cut]]})
     # Seeded sampling of more prompt tokens than one default prefill batch holds (vLLM-CPU used to
     # crash when it prefilled a seeded request in chunks); the same seed gives the same samples.
     big = [[5 + (i % 50)] * 200 for i in range(48)]
     first, again = (api.generate(big, {"n": 2, "max_tokens": 8, "seed": 3}) for _ in range(2))
     return {"fields": fields, "still_serving": len(out) == 2,
-            "finish": [c.finish_reason for c in out], "lengths": [len(c.token_ids) for c in out],
+            "greedy": greedy, "cut": cut, "free_finish": free.finish_reason,
+            "finish": [c.finish_reason for c in out], "stopped": [c.token_ids for c in out],
             "seeded_batch": [len(first), [c.token_ids for c in first] == [c.token_ids for c in again]]}
 
 

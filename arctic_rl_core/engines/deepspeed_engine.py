@@ -121,7 +121,7 @@ class DeepSpeedEngine(TrainingEngine):
             hf_config = AutoConfig.from_pretrained(config.model_path)
         except (OSError, ValueError, KeyError) as err:
             raise InvalidRequest("model_path", f"{config.model_path!r} is not a Hugging Face model: {err}") from None
-        # ZoRRo's attention is loaded wherever the family allows it, so `set_zorro` switches packing at run
+        # ZoRRo's attention is loaded wherever the family allows it, so flipping `zorro.enable` switches packing at run
         # time exactly; zorro.enable only decides the packing. A family it cannot serve is an error with
         # zorro.enable, and runs its own attention (engine.attn_implementation) without.
         want_zorro = config.zorro.enable

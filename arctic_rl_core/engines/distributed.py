@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import socket
 
+from arctic_rl_core.patches import environment_default
+
 
 def free_loopback_port() -> int:
     with socket.socket() as s:
@@ -35,7 +37,7 @@ def select_accelerator() -> None:
     import torch
 
     if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        environment_default("DS_ACCELERATOR", "cpu", "DeepSpeed: use its CPU accelerator (no GPU here)", __name__)
 
 
 def init_distributed() -> None:
@@ -47,7 +49,9 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_loopback_port()))
+        why = "torch.distributed: a one-rank world of this process, on loopback"
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                            ("MASTER_PORT", str(free_loopback_port()))):
+            environment_default(name, value, why, __name__)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)

@@ -25,6 +25,8 @@ from vllm.model_executor.layers.linear import LinearBase
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from arctic_rl_core.patches import InstancePatch
+
 LOAD_FORMAT = "arctic_rl_plain_cpu_weights"
 MARKER = "arctic_rl_plain_weights"
 """Set on the loaded model: its weights can be overwritten in place by `load_weights`."""
@@ -32,6 +34,29 @@ PLAIN_ARCHITECTURES = frozenset({"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaF
 """Dense models whose every weight is a plain linear, embedding or norm tensor, loaded without transforms.
 Others (mixture-of-experts, MLA, Mamba/GDN, checkpoint layouts that `load_weights` rearranges) load as by
 vLLM's default loader."""
+
+
+def _keep_linear_weights(model: torch.nn.Module) -> int:
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for module in layers:
+        module._cpu_skip_gemm_dispatch = True
+    return len(layers)
+
+
+def _multiply_with_kept_weights(model: torch.nn.Module) -> int:
+    heads = [m for m in model.modules() if hasattr(m, "cpu_linear")]
+    for module in heads:
+        module.cpu_linear = torch.nn.functional.linear
+    setattr(model, MARKER, True)
+    return len(heads)
+
+
+KEEP_LINEAR_WEIGHTS = InstancePatch(
+    "linear layers keep their checkpoint-layout weights (_cpu_skip_gemm_dispatch)", _keep_linear_weights,
+    "a weight sync writes in place instead of rebuilding and repacking every layer", __name__)
+MULTIPLY_WITH_KEPT_WEIGHTS = InstancePatch(
+    "LM head multiplies with F.linear on its kept weight (cpu_linear)", _multiply_with_kept_weights,
+    "the head ignores _cpu_skip_gemm_dispatch; its synced weight must be the one it reads", __name__)
 
 
 def _plain(model_config) -> bool:
@@ -48,17 +73,12 @@ class PlainCpuWeightsLoader(DefaultModelLoader):
 
     def load_weights(self, model: torch.nn.Module, model_config) -> None:
         if _plain(model_config):
-            for module in model.modules():
-                if isinstance(module, LinearBase):
-                    module._cpu_skip_gemm_dispatch = True
+            KEEP_LINEAR_WEIGHTS.apply(model)
         super().load_weights(model, model_config)
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
         model = super().load_model(vllm_config, model_config, prefix)
         if not _plain(model_config):
             return model
-        for module in model.modules():
-            if hasattr(module, "cpu_linear"):
-                module.cpu_linear = torch.nn.functional.linear
-        setattr(model, MARKER, True)
+        MULTIPLY_WITH_KEPT_WEIGHTS.apply(model)
         return model

@@ -22,6 +22,7 @@ from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
 from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
@@ -40,15 +41,9 @@ def _engine_in_this_process(enabled: bool):
     if not enabled:
         yield
         return
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
+    with environment("VLLM_ENABLE_V1_MULTIPROCESSING", "0", "vLLM: build the engine core in this process "
+                     "(sampler.placement=in_process)", __name__).applied():
         yield
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 class VLLMSampler(Sampler):

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 
 from arctic_rl_core.errors import ArcticRLError
+from arctic_rl_core.patches import InstancePatch
 from arctic_rl_core.samplers.vllm_plain_weights import MARKER as PLAIN_WEIGHTS
 
 
@@ -247,10 +248,16 @@ class WeightSyncExtension:
             offsets[name] = total
             total += -(-p.numel() * p.element_size() // 64) * 64  # 64-byte aligned
         slot = SharedSlot(total)
-        for name, p in params.items():
-            view = tensor_at(slot.buffer, offsets[name], p.dtype, p.shape)
-            view.copy_(p.data)
-            p.data = view
+
+        def into_slot(model) -> int:
+            for name, p in params.items():
+                view = tensor_at(slot.buffer, offsets[name], p.dtype, p.shape)
+                view.copy_(p.data)
+                p.data = view
+            return len(params)
+
+        InstancePatch("parameters' storage moved into a shared-memory file", into_slot,
+                      "the trainer process maps that file and writes each sync into it", __name__).apply(model)
         self._arctic_weights_slot = slot  # mapped for the worker's lifetime
         return {"path": slot.path, "packed": packed,
                 "params": {name: [offsets[name], str(p.dtype).removeprefix("torch."), list(p.shape)]

@@ -26,6 +26,7 @@ from arctic_rl_core import wire
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.patches import applied as applied_patches
 from arctic_rl_core.calls import API_PREFIX, CALLS, REQUEST_ID_HEADER, Call, CheckpointRequest
 from arctic_rl_core.server.buffers import BufferPool
 from arctic_rl_core.server.idempotency import RequestIdConflict, RequestLog
@@ -219,6 +220,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
             "config": job.config.model_dump() if job.config else None,
             "weight_version": api.weight_version if api else None,
             "backend": api.describe() if api is not None and hasattr(api, "describe") else None,
+            "patches": applied_patches(),
         }
 
     @app.post(f"{API_PREFIX}/initialize")

@@ -31,7 +31,7 @@ def measure_variants(run: RecipeRun, variants=VARIANTS, *, rounds: int, steps: i
     step = first_step
     for r in range(rounds):
         for variant in variants:
-            api.set_zorro(variant.zorro)
+            api.config.zorro.enable = variant.zorro  # the backend reads its config at every call
             pipe = run.pipeline(step, variant.max_staleness)
             try:
                 for i in range(steps + 1):
@@ -47,7 +47,7 @@ def measure_variants(run: RecipeRun, variants=VARIANTS, *, rounds: int, steps: i
                 pipe.close()
             step += steps + 1
             log(f"round {r + 1}/{rounds} {variant.label:<12} median {statistics.median(times[variant.label][-steps:]):.3f} s/step")
-    api.set_zorro(run.config.backend.zorro.enable)
+    api.config.zorro.enable = run.config.backend.zorro.enable
     medians = {label: statistics.median(t) for label, t in times.items()}
     base = medians.get("naive+sync")
     result = {

@@ -149,11 +149,13 @@ def test_misconfiguration_fails_at_start_up_saying_what_to_fix(tiny_model, serve
 def test_the_cpu_process_group_patch_is_recorded_and_refuses_to_patch_twice():
     import verl.utils.distributed as verl_distributed
 
-    from arctic_rl_verl.patches import APPLIED
+    from arctic_rl_core.patches import PatchConflict, applied
     from arctic_rl_verl.plugin import cpu_process_group_patch
 
-    patch = APPLIED["verl.utils.distributed.initialize_global_process_group_ray"]
-    assert verl_distributed.initialize_global_process_group_ray is not patch.original
-    assert "gloo" in patch.reason
-    with pytest.raises(RuntimeError, match="already patched"):
+    rows = {row["patch"]: row for row in applied()}
+    row = rows["verl.utils.distributed.initialize_global_process_group_ray"]
+    assert row["active"] == 1 and "gloo" in row["reason"] and row["by"] == "arctic_rl_verl.plugin"
+    assert rows["verl.workers.rollout.base._ROLLOUT_REGISTRY[('arctic_rl', 'async')]"]["by"] == "arctic_rl_verl.rollout"
+    with pytest.raises(PatchConflict, match="already patched"):
         cpu_process_group_patch().apply()
+    assert verl_distributed.initialize_global_process_group_ray.__module__ == "arctic_rl_verl.plugin"

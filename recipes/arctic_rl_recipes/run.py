@@ -7,11 +7,12 @@ import os
 import sys
 
 from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.patches import environment_default
 
 
 def quiet_libraries() -> None:
     """The driver prints its own progress; keep the engines' start-up logs out of it."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    environment_default("VLLM_LOGGING_LEVEL", "ERROR", "vLLM: the driver prints its own progress", __name__)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -28,7 +28,7 @@ def cpu_process_group_patch():
     platform reads "cpu:gloo,cpu:gloo" and torch refuses; plain gloo is what CPU needs."""
     import verl.utils.distributed as verl_distributed
 
-    from arctic_rl_verl.patches import Patch
+    from arctic_rl_core.patches import Patch
 
     def make(original):
         def initialize_global_process_group_ray(timeout_second=None, backend=None):
@@ -37,7 +37,7 @@ def cpu_process_group_patch():
         return initialize_global_process_group_ray
 
     return Patch(verl_distributed, "initialize_global_process_group_ray", make,
-                 reason="CPU platform: join the process group with plain gloo")
+                 reason="CPU platform: join the process group with plain gloo", by=__name__)
 
 
 def load() -> None:

@@ -23,9 +23,10 @@ from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
 
-from arctic_rl_verl.connect import URL_KEY, ArcticSetupError, client_for
 from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_core.patches import set_item
 from arctic_rl_core.types import SamplingParams
+from arctic_rl_verl.connect import URL_KEY, ArcticSetupError, client_for
 
 logger = logging.getLogger(__name__)
 SERVER_PREFIX = "arctic_rl_server_"
@@ -179,4 +180,6 @@ class ArcticRolloutAdapter(BaseRollout):
 def register() -> None:
     RolloutReplicaRegistry.register("arctic_rl", lambda: ArcticReplica)
     # verl keeps the hybrid-worker rollouts in a plain dict with no register function.
-    rollout_base._ROLLOUT_REGISTRY[("arctic_rl", "async")] = f"{__name__}.ArcticRolloutAdapter"
+    set_item(rollout_base._ROLLOUT_REGISTRY, ("arctic_rl", "async"), f"{__name__}.ArcticRolloutAdapter",
+             "verl's hybrid workers find the arctic_rl rollout by this table entry", __name__,
+             where="verl.workers.rollout.base._ROLLOUT_REGISTRY")
