@@ -151,6 +151,8 @@ class SamplingParams(_Strict):
     def _temperature(self) -> "SamplingParams":
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        if self.temperature == 0 and self.n > 1:
+            raise ValueError("n must be 1 with temperature 0: greedy samples of one prompt are all the same")
         return self
 
 

@@ -134,8 +134,11 @@ def test_generate_contract(make_api, tiny_model):
         assert c.weight_version == 0
     again = backend.generate([[5, 6, 7], [8, 9]], SamplingParams(n=3, max_tokens=5, seed=7, temperature=0.8, top_k=50))
     assert [c.token_ids for c in again] == [c.token_ids for c in out]
-    greedy = backend.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=4, temperature=0))
+    greedy = backend.generate([[5, 6, 7], [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
     assert greedy[0].token_ids == greedy[1].token_ids
+    with pytest.raises(InvalidRequest) as err:  # vLLM refuses it: here, before any sampler sees it
+        backend.generate([[5, 6, 7]], {"n": 2, "temperature": 0})
+    assert err.value.field == "sampling" and "n must be 1" in err.value.message
     # A stop token id ends generation at that token.
     first = greedy[0].token_ids[0]
     stopped = backend.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[first]))

@@ -70,7 +70,7 @@ def test_bad_generate_input_names_the_field_and_engine_keeps_serving(tiny_model)
     result = run_scenario("bad_input", tiny_model)
     assert result["fields"] == {"too_long": "prompts[0]", "max_tokens": "sampling.max_tokens",
                                 "negative_max_tokens": "sampling.max_tokens", "stop_token": "sampling.stop_token_ids",
-                                "sampler_temperature": "temperature"}
+                                "sampler_temperature": "temperature", "greedy_n": "sampling"}
     assert result["still_serving"]
     greedy, cut = result["greedy"], result["cut"]
     assert result["free_finish"] == "length" and len(greedy) == 8

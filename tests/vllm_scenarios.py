@@ -114,6 +114,7 @@ def bad_input(model_dir):
         ("negative_max_tokens", lambda: api.generate([[5, 6]], {"max_tokens": -3})),
         ("stop_token", lambda: api.generate([[5, 6]], {"max_tokens": 3, "stop_token_ids": [10**6]})),
         ("sampler_temperature", lambda: api.log_probs([{"prompt_ids": [5], "response_ids": [6]}], temperature=0.5, source="sampler")),
+        ("greedy_n", lambda: api.generate([[5, 6]], {"n": 2, "temperature": 0})),
     ):
         try:
             call()
@@ -124,7 +125,7 @@ def bad_input(model_dir):
     [free] = api.generate([[5, 6, 7]], {"max_tokens": 8, "temperature": 0})
     greedy = free.token_ids
     cut = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])
-    out = api.generate([[5, 6, 7]], {"n": 2, "max_tokens": 8, "temperature": 0, "stop_token_ids": [greedy[cut]]})
+    out = api.generate([[5, 6, 7]] * 2, {"max_tokens": 8, "temperature": 0, "stop_token_ids": [greedy[cut]]})
     # Seeded sampling of more prompt tokens than one default prefill batch holds (vLLM-CPU used to
     # crash when it prefilled a seeded request in chunks); the same seed gives the same samples.
     big = [[5 + (i % 50)] * 200 for i in range(48)]

@@ -1,14 +1,23 @@
-"""`arctic-rl bench server`: round-trip latency of an empty call and loopback payload throughput.
+"""`arctic-rl bench server`: round-trip latency of an empty call, loopback payload throughput, and
+the server's overhead on a realistic `fwd_bwd` request.
 
 The server runs in its own process, as in deployment. Latency: medians of
 GET /v1/health and of an empty wire-format POST. Throughput: a float32 tensor
 payload POSTed to /v1/echo, which reads the body and decodes it (zero-copy) as
 every route does. The client streams the body as the client library does
 (header, then the tensor's own memory); `encode_s` is the time to lay it out.
+
+`--fwd-bwd`: 64 sequences x 4,096 tokens (1,024 prompt, 3,072 response, with
+advantages, behaviour log-probs and a loss mask), given as Python lists, to a
+backend whose `fwd_bwd` only turns each sequence's fields into tensors (what the
+engine's batching does first). The same call in process and through a loopback
+server on a thread of this process; the difference is the server's overhead
+(client validation and encoding, transfer, decoding, parsing, response).
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import os
 import subprocess
@@ -68,14 +77,79 @@ def run(payload_mib: int, latency_calls: int, repeats: int) -> dict:
     }
 
 
+def fwd_bwd_overhead(sequences: int, prompt_len: int, response_len: int, repeats: int) -> dict:
+    import torch
+
+    from arctic_rl_bench.measure import median_seconds
+    from arctic_rl_core.api import TrainingAPI
+    from arctic_rl_core.client import ArcticRLClient
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+    from arctic_rl_core.types import FwdBwdResult, Sequence
+
+    class TensorizingBackend(TrainingAPI):
+        """`fwd_bwd` parses its sequences and makes the tensors the engine's batching starts from; nothing else."""
+
+        def fwd_bwd(self, sequences, loss):
+            seqs = [s if isinstance(s, Sequence) else Sequence.model_validate(s) for s in sequences]
+            tokens = 0
+            for s in seqs:
+                tokens += torch.as_tensor(list(s.prompt_ids) + list(s.response_ids)).numel()
+                for name in ("advantages", "behaviour_logprobs", "loss_mask"):
+                    torch.as_tensor(getattr(s, name), dtype=torch.float32)
+            fields = {"loss": 0.0, "metrics": {}, "num_tokens": tokens, "num_sequences": len(seqs), "weight_version": 0}
+            if "computed_tokens" in FwdBwdResult.model_fields:  # so the same script measures older versions
+                fields["computed_tokens"] = tokens
+            return FwdBwdResult(**fields)
+
+    def unused(self, *args, **kwargs):
+        raise NotImplementedError("this benchmark's backend serves fwd_bwd only")
+
+    for name in TensorizingBackend.__abstractmethods__ - {"fwd_bwd"}:
+        setattr(TensorizingBackend, name, unused)
+    abc.update_abstractmethods(TensorizingBackend)
+    backend = TensorizingBackend()
+    rng = np.random.default_rng(0)
+    batch = [{"prompt_ids": rng.integers(0, 150_000, prompt_len).tolist(),
+              "response_ids": rng.integers(0, 150_000, response_len).tolist(),
+              "group_id": i // 8,
+              "advantages": [float(rng.standard_normal())] * response_len,
+              "behaviour_logprobs": (-rng.random(response_len)).tolist(),
+              "loss_mask": [1.0] * response_len} for i in range(sequences)]
+    in_process_s, in_process_all = median_seconds(lambda: backend.fwd_bwd(batch, "grpo"), repeats)
+    settings = ServerSettings(port=free_loopback_port(), max_request_bytes=2**31)
+    with ServerThread(settings, config=None, backend_factory=lambda config: backend) as url:
+        client = ArcticRLClient(url, retries=0)
+        client.initialize({"model_path": "unused"})
+        result = client.fwd_bwd(batch, "grpo")
+        assert result.num_tokens == sequences * (prompt_len + response_len)
+        http_s, http_all = median_seconds(lambda: client.fwd_bwd(batch, "grpo"), repeats)
+        client.close()
+    return {"sequences": sequences, "tokens_per_sequence": prompt_len + response_len, "repeats": repeats,
+            "in_process_s": in_process_s, "http_s": http_s, "overhead_s": http_s - in_process_s,
+            "raw_s": {"in_process": in_process_all, "http": http_all}}
+
+
 def add_arguments(p) -> None:
     p.add_argument("--payload-mib", type=int, default=256)
     p.add_argument("--latency-calls", type=int, default=500)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--fwd-bwd", action="store_true",
+                   help="instead: the server's overhead on a fwd_bwd of 64 sequences x 4,096 tokens")
 
 
 def main(args) -> int:
+    if args.fwd_bwd:
+        result = fwd_bwd_overhead(64, 1024, 3072, args.repeats)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"fwd_bwd of {result['sequences']} x {result['tokens_per_sequence']} tokens: in process "
+                  f"{result['in_process_s']:.3f} s, over HTTP {result['http_s']:.3f} s, "
+                  f"server overhead {result['overhead_s']:.3f} s (medians of {result['repeats']})")
+        return 0
     result = run(args.payload_mib, args.latency_calls, args.repeats)
     if args.json:
         print(json.dumps(result))
