@@ -11,6 +11,8 @@ import threading
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+import numpy as np
+
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.batching import build_micro_batches, require_fields, validate_sequences
 from arctic_rl_core.config import BackendConfig
@@ -20,6 +22,7 @@ from arctic_rl_core.types import (
     CheckpointInfo,
     Completion,
     FwdBwdResult,
+    GenerateRequest,
     LogProbsResult,
     LossSpec,
     ProcessorSpec,
@@ -30,6 +33,7 @@ from arctic_rl_core.types import (
     MIN_TEMPERATURE,
     StepResult,
     model_shape,
+    token_list,
 )
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 
@@ -110,16 +114,16 @@ class InProcessBackend(TrainingAPI):
     # -- the API -------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None) -> list[Completion]:
-        params = parse(SamplingParams, sampling or {}, "sampling")
-        if not isinstance(prompts, list) or not prompts:
+        request = parse(GenerateRequest, {"prompts": prompts, "sampling": sampling}, "")
+        prompts, params = request.prompts, request.sampling
+        if not prompts:
             raise InvalidRequest("prompts", "must hold at least one prompt")
-        if params.max_tokens <= 0:
-            raise InvalidRequest("sampling.max_tokens", f"must be > 0, got {params.max_tokens}")
         vocab = self.engine.vocab_size
         for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, list) or not prompt:
+            ids = np.asarray(prompt)
+            if not ids.size:
                 raise InvalidRequest(f"prompts[{i}]", "must be a non-empty list of token ids")
-            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt):
+            if ids.min() < 0 or ids.max() >= vocab:
                 raise InvalidRequest(f"prompts[{i}]", f"token ids must be integers in [0, {vocab})")
             if len(prompt) + params.max_tokens > self.sampler.max_context:
                 raise InvalidRequest(
@@ -130,7 +134,7 @@ class InProcessBackend(TrainingAPI):
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
         with self._sampler_lock:
-            completions = self.sampler.generate(prompts, params, self._weight_version)
+            completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version)
             self.generated["calls"] += 1
             self.generated["completions"] += len(completions)
             self.generated["tokens"] += sum(len(c.token_ids) for c in completions)
@@ -146,7 +150,7 @@ class InProcessBackend(TrainingAPI):
                 raise InvalidRequest("with_entropy" if with_entropy else "temperature",
                                      "the sampler scores plain log-probs only (temperature 1, no entropy)")
             with self._sampler_lock:
-                scores = self.sampler.score([(s.prompt_ids, s.response_ids) for s in seqs])
+                scores = self.sampler.score([(token_list(s.prompt_ids), token_list(s.response_ids)) for s in seqs])
             return LogProbsResult(logprobs=scores, weight_version=self._weight_version)
         if source != "trainer":
             raise InvalidRequest("source", f"must be 'trainer' or 'sampler', got {source!r}")

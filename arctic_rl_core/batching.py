@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.losses.inputs import LossInputs
-from arctic_rl_core.types import Sequence
+from arctic_rl_core.types import Sequence, joined
 from arctic_rl_core.zorro.forest import pack_forest, plan_forest_micro_batches
 from arctic_rl_kernels.layout import ForestLayout
 
@@ -37,7 +38,7 @@ def validate_sequences(sequences: list[Sequence], *, max_context: int, vocab_siz
         if length > max_context:
             raise InvalidRequest(where, f"is {length} tokens long; the model's context is {max_context}")
         for name in ("prompt_ids", "response_ids"):
-            top = max(getattr(seq, name))
+            top = int(np.max(getattr(seq, name)))
             if top >= vocab_size:
                 raise InvalidRequest(f"{where}.{name}", f"token id {top} is outside the vocabulary ({vocab_size})")
 
@@ -111,7 +112,8 @@ def plan_micro_batches(sequences: list[Sequence], groups: list[int], token_budge
 
 def _batch_stats(sequences: list[Sequence], groups: list[int], weight_version: int):
     masks = [
-        torch.tensor(s.loss_mask if s.loss_mask is not None else [1.0] * len(s.response_ids), dtype=torch.float32)
+        torch.as_tensor(np.asarray(s.loss_mask, dtype=np.float32)) if s.loss_mask is not None
+        else torch.ones(len(s.response_ids))
         for s in sequences
     ]
     seq_tokens = torch.stack([m.sum() for m in masks])
@@ -128,17 +130,16 @@ def _batch_stats(sequences: list[Sequence], groups: list[int], weight_version: i
 
 
 def _loss_inputs(sequences: list[Sequence], members: list[int], groups: list[int], masks, stats) -> LossInputs:
-    seq_index = torch.tensor([i for i in members for _ in sequences[i].response_ids])
+    lengths = torch.tensor([len(sequences[i].response_ids) for i in members])
+    seq_index = torch.repeat_interleave(torch.tensor(members), lengths)
     per_token = {}
     for name in _OPTIONAL_TOKEN_FIELDS:
         values = [getattr(sequences[i], name) for i in members]
         if all(v is not None for v in values):
-            per_token[name] = torch.tensor([x for v in values for x in v], dtype=torch.float32)
+            per_token[name] = torch.from_numpy(np.concatenate([np.asarray(v, dtype=np.float32) for v in values]))
     versions = [sequences[i].behaviour_version for i in members]
     if all(v is not None for v in versions):
-        per_token["behaviour_version"] = torch.tensor(
-            [v for i, v in zip(members, versions) for _ in sequences[i].response_ids], dtype=torch.float32
-        )
+        per_token["behaviour_version"] = torch.repeat_interleave(torch.tensor(versions, dtype=torch.float32), lengths)
     return LossInputs(
         loss_mask=torch.cat([masks[i] for i in members]),
         seq_index=seq_index,
@@ -156,14 +157,14 @@ def _padded(sequences: list[Sequence], members: list[int], pad_id: int) -> dict:
     for b, i in enumerate(members):
         seq = sequences[i]
         p, r = len(seq.prompt_ids), len(seq.response_ids)
-        input_ids[b, : p + r] = torch.tensor(seq.prompt_ids + seq.response_ids)
+        input_ids[b, : p + r] = torch.from_numpy(joined(seq.prompt_ids, seq.response_ids))
         attention_mask[b, : p + r] = 1
         rows.append(torch.arange(p - 1, p + r - 1) + b * width)
     return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=None, layout=None, logit_rows=torch.cat(rows))
 
 
-def _forest(sequences: list[Sequence], members: list[int], min_shared_tokens: int) -> dict:
-    forest = pack_forest([sequences[i].prompt_ids + sequences[i].response_ids for i in members], min_shared_tokens)
+def _forest(sequences: list[Sequence], full: list[list[int]], members: list[int], min_shared_tokens: int) -> dict:
+    forest = pack_forest([full[i] for i in members], min_shared_tokens)
     rows = []
     for i, path in zip(members, forest.paths):
         p, r = len(sequences[i].prompt_ids), len(sequences[i].response_ids)
@@ -185,17 +186,19 @@ def build_micro_batches(
     groups = group_indices(sequences)
     masks, stats = _batch_stats(sequences, groups, weight_version)
     if forest:
-        full = [s.prompt_ids + s.response_ids for s in sequences]
+        # The forest is a trie of Python token lists: its sort and prefix matching run on them.
+        full = [joined(s.prompt_ids, s.response_ids).tolist() for s in sequences]
         plan = plan_forest_micro_batches(full, token_budget, min_shared_tokens)
     else:
         plan = plan_micro_batches(sequences, groups, token_budget)
     out = []
     for members in plan:
-        tensors = _forest(sequences, members, min_shared_tokens) if forest else _padded(sequences, members, pad_id)
+        tensors = _forest(sequences, full, members, min_shared_tokens) if forest else _padded(sequences, members, pad_id)
         out.append(
             MicroBatch(
                 **tensors,
-                targets=torch.tensor([t for i in members for t in sequences[i].response_ids], dtype=torch.long),
+                targets=torch.from_numpy(np.concatenate([np.asarray(sequences[i].response_ids, dtype=np.int64)
+                                                         for i in members])),
                 sequence_ids=list(members),
                 response_lengths=[len(sequences[i].response_ids) for i in members],
                 inputs=_loss_inputs(sequences, members, groups, masks, stats),

@@ -75,7 +75,7 @@ class _ClientCore:
 
     def prepare(self, call: Call, request) -> tuple[str, wire.Encoded, dict]:
         """Path, body (streamed: header, then tensor memory) and headers; retries resend the same id."""
-        body = wire.encode_parts(request.model_dump(mode="json"))
+        body = wire.encode_parts(request.model_dump())  # arrays stay arrays: sent from their own memory
         headers = {**self.headers, "Content-Type": wire.MEDIA_TYPE, "Content-Length": str(len(body)),
                    REQUEST_ID_HEADER: uuid.uuid4().hex}
         return call.path, body, headers

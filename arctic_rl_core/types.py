@@ -2,15 +2,18 @@
 
 Only plain data crosses: token ids, per-token float arrays, names and
 numbers. No framework objects and no tensors, so the same types serve the
-in-process backend and the HTTP client.
+in-process backend and the HTTP client. A request's token ids and per-token
+floats may be Python lists or 1-D numpy arrays: arrays are kept as they are
+(never copied into lists), so a batch decoded from the wire, or handed over by
+a framework from its tensors, reaches the engine as the same memory.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, SerializationInfo, WrapValidator, field_validator, model_validator
 
 from arctic_rl_core.errors import InvalidRequest
 
@@ -34,6 +37,36 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 1e2
 logits or flatten the policy to noise. Temperature 0 (greedy) is allowed for sampling."""
 
 
+def _array_or_list(kinds: str):
+    def validate(value: Any, handler) -> Any:
+        if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds:
+            return value
+        # A list, or an array of another kind or shape: pydantic checks each element and names the bad one.
+        return handler(value.tolist() if isinstance(value, np.ndarray) else value)
+    return WrapValidator(validate)
+
+
+def _as_json(value: Any, info: SerializationInfo) -> Any:
+    # Python-mode dumps keep arrays, which the wire format sends as tensors without a copy.
+    return value.tolist() if isinstance(value, np.ndarray) and info.mode_is_json() else value
+
+
+TokenIds = Annotated[list[int], _array_or_list("iu"), PlainSerializer(_as_json)]
+"""Token ids: a list of ints or a 1-D integer numpy array."""
+TokenFloats = Annotated[list[float], _array_or_list("fiub"), PlainSerializer(_as_json)]
+"""One float per response token: a list or a 1-D numeric numpy array."""
+
+
+def token_list(values: Any) -> list:
+    """The values as a Python list, for libraries that take only lists (vLLM's prompts)."""
+    return values.tolist() if isinstance(values, np.ndarray) else list(values)
+
+
+def joined(prompt: Any, response: Any) -> np.ndarray:
+    """Prompt then response tokens as one int64 array."""
+    return np.concatenate([np.asarray(prompt, dtype=np.int64), np.asarray(response, dtype=np.int64)])
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
@@ -45,47 +78,47 @@ class Sequence(_Strict):
     `response_ids[i]`. Log-probs are of the token itself (not shifted).
     """
 
-    prompt_ids: list[int]
-    response_ids: list[int]
+    prompt_ids: TokenIds
+    response_ids: TokenIds
     group_id: str | int | None = None
     """GRPO group: sequences with the same id share their prompt."""
-    advantages: list[float] | None = None
-    behaviour_logprobs: list[float] | None = None
+    advantages: TokenFloats | None = None
+    behaviour_logprobs: TokenFloats | None = None
     """Log-probs under the policy that sampled the response."""
     behaviour_version: int | None = Field(None, ge=0, le=MAX_VERSION)
     """The weight version that produced `behaviour_logprobs`."""
-    proximal_logprobs: list[float] | None = None
+    proximal_logprobs: TokenFloats | None = None
     """Recomputed proximal-policy log-probs for decoupled (off-policy) losses."""
-    ref_logprobs: list[float] | None = None
-    loss_mask: list[float] | None = None
+    ref_logprobs: TokenFloats | None = None
+    loss_mask: TokenFloats | None = None
     """1 to train on a response token, 0 to ignore it. Default: all ones."""
 
     PER_TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "loss_mask")
 
     def check(self, where: str) -> None:
         """Raise `InvalidRequest` naming the field if this sequence is inconsistent."""
-        if not self.prompt_ids:
-            raise InvalidRequest(f"{where}.prompt_ids", "must hold at least one token")
-        if not self.response_ids:
-            raise InvalidRequest(f"{where}.response_ids", "must hold at least one token")
         for name in ("prompt_ids", "response_ids"):
-            if min(getattr(self, name)) < 0:
+            ids = np.asarray(getattr(self, name))
+            if not ids.size:
+                raise InvalidRequest(f"{where}.{name}", "must hold at least one token")
+            if ids.min() < 0:
                 raise InvalidRequest(f"{where}.{name}", "token ids must be >= 0")
         n = len(self.response_ids)
         for name in self.PER_TOKEN_FIELDS:
-            values = getattr(self, name)
-            if values is None:
+            if getattr(self, name) is None:
                 continue
+            values = np.asarray(getattr(self, name))
             if len(values) != n:
                 raise InvalidRequest(
                     f"{where}.{name}", f"has {len(values)} entries but response_ids has {n}"
                 )
-            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-            if bad is not None:
+            finite = np.isfinite(values)
+            if not finite.all():
+                bad = int(np.argmin(finite))
                 raise InvalidRequest(f"{where}.{name}[{bad}]", f"is {values[bad]}, must be finite")
-        if self.behaviour_logprobs is not None and any(v > 1e-4 for v in self.behaviour_logprobs):
+        if self.behaviour_logprobs is not None and np.max(self.behaviour_logprobs) > 1e-4:
             raise InvalidRequest(f"{where}.behaviour_logprobs", "log-probs must be <= 0")
-        if self.loss_mask is not None and any(v < 0 for v in self.loss_mask):
+        if self.loss_mask is not None and np.min(self.loss_mask) < 0:
             raise InvalidRequest(f"{where}.loss_mask", "must be >= 0")
 
 
@@ -157,7 +190,7 @@ class SamplingParams(_Strict):
 
 
 class GenerateRequest(_Strict):
-    prompts: list[list[int]]
+    prompts: list[TokenIds]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
 
     @field_validator("sampling", mode="before")

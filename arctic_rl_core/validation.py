@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, TypeVar
 
+import numpy as np
 import pydantic
 
 from arctic_rl_core.errors import InvalidRequest, field_path
@@ -34,6 +35,8 @@ def check_numbers(value: Any, field: str) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             check_numbers(item, field_path(field, (key,)) if isinstance(key, str) else field)
+    elif isinstance(value, np.ndarray):
+        _check_array(value, field)
     elif isinstance(value, (list, tuple)):
         kinds = set(map(type, value))
         if kinds <= {int}:  # token ids: range-checked at C speed
@@ -52,6 +55,19 @@ def check_numbers(value: Any, field: str) -> None:
     elif _bad_number(value):
         what = "must be a finite number" if isinstance(value, float) else "is outside the 64-bit integer range"
         raise InvalidRequest(field or "body", f"{value} {what}")
+
+
+def _check_array(value: np.ndarray, field: str) -> None:
+    """The same rules for a numpy array (as the wire format decodes them), vectorised."""
+    flat = value.reshape(-1)
+    if value.dtype.kind == "f":
+        finite = np.isfinite(flat)
+        if not finite.all():
+            i = int(np.argmin(finite))
+            raise InvalidRequest(field_path(field, (i,)), f"{flat[i]} must be a finite number")
+    elif value.dtype.kind == "u" and flat.size and flat.max() > INT64_MAX:
+        i = int(np.argmax(flat))
+        raise InvalidRequest(field_path(field, (i,)), f"{flat[i]} is outside the 64-bit integer range")
 
 
 def parse(model: type[Model], value: Any, field: str) -> Model:

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -106,6 +106,13 @@ class Body:
     def __init__(self, request: Request, cap: int, pool: BufferPool, timeout_s: float):
         self.request, self.cap, self.pool, self.timeout_s = request, cap, pool, timeout_s
         self.buffer = None
+        self.reader: Future | None = None
+
+    def read_by(self, work: Future) -> Future:
+        """`work` reads arrays that are views of this body: its buffer goes back to the pool only once
+        `work` is done, even if the request is cancelled (the client gone) while it runs."""
+        self.reader = work
+        return work
 
     async def _chunks(self):
         """The body's pieces, each within the deadline: a client that stalls mid-body is cut off."""
@@ -143,13 +150,19 @@ class Body:
         return memoryview(self.buffer)[:size]
 
     async def __aexit__(self, *exc) -> None:
-        if self.buffer is not None:
-            self.pool.release(self.buffer)
+        if self.buffer is None:
+            return
+        buffer, pool = self.buffer, self.pool
+        if self.reader is None:
+            pool.release(buffer)
+        else:  # runs now if the work is done, else in the worker thread when it is
+            self.reader.add_done_callback(lambda _: pool.release(buffer))
 
 
-def _decode(body: memoryview, content_type: str) -> Any:
+def _decode(body: memoryview, content_type: str, arrays: bool = False) -> Any:
+    """The message in a body; with `arrays`, the wire format's tensors as numpy views of the body."""
     if content_type.startswith(wire.MEDIA_TYPE):
-        return wire.decode(body)
+        return wire.decode(body, arrays=arrays)
     if content_type.startswith("application/json"):
         if not len(body):
             return {}
@@ -258,26 +271,29 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
     def add_route(route: Call):
         async def handler(request: Request):
             content_type = request.headers.get("content-type", "")
-            async with read(request) as body:
+            # Token ids and per-token floats stay numpy views of the body's buffer all the way to the
+            # engine, so the buffer returns to its pool only when the call is done.
+            reader = read(request)
+            async with reader as body:
                 if job.api is None:
                     raise NoJob(f"no job is initialized: POST {API_PREFIX}/initialize first")
-                query = parse(route.request, _decode(body, content_type), "")
+                query = parse(route.request, _decode(body, content_type, arrays=True), "")
                 settings.limits.check(route.name, query)
                 if isinstance(query, CheckpointRequest):
                     query.path = confine(checkpoint_root, query.path)
-                fingerprint = hashlib.sha256(route.name.encode() + body).hexdigest()
-            if route.ordered:
-                request_id = request.headers.get(REQUEST_ID_HEADER)
+                if route.ordered:
+                    request_id = request.headers.get(REQUEST_ID_HEADER)
 
-                async def apply():
-                    return await run_in(job.ordered, route.invoke, job.api, query)
+                    async def apply():
+                        return await asyncio.wrap_future(reader.read_by(job.ordered.submit(route.invoke, job.api, query)))
 
-                if request_id:
-                    result = await job.requests.once(request_id, fingerprint, apply)
+                    if request_id:
+                        fingerprint = hashlib.sha256(route.name.encode() + body).hexdigest()
+                        result = await job.requests.once(request_id, fingerprint, apply)
+                    else:
+                        result = await apply()
                 else:
-                    result = await apply()
-            else:
-                result = await run_in(job.reads, route.invoke, job.api, query)
+                    result = await asyncio.wrap_future(reader.read_by(job.reads.submit(route.invoke, job.api, query)))
             return _encode(result, wire_format=content_type.startswith(wire.MEDIA_TYPE))
 
         schema = route.request.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -7,6 +7,7 @@ log p(x[t+1] | x[..t]), so a response of length r after a prompt of length p sit
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -21,15 +22,16 @@ def _rows(tensor: torch.Tensor) -> list[torch.Tensor]:
     return list(tensor.unbind()) if tensor.is_nested else list(tensor)
 
 
-def _response_rows(data: TensorDict, key: str) -> list[list[float]] | None:
+def _response_rows(data: TensorDict, key: str) -> list[np.ndarray] | None:
     if key not in data.keys():
         return None
-    return [row.float().tolist() for row in _rows(data[key])]
+    return [row.float().cpu().numpy() for row in _rows(data[key])]
 
 
 def sequences_from_batch(data: TensorDict) -> list[Sequence]:
     """One `Sequence` per row: prompt and response ids, the GRPO group (`uid`), and the per-token
-    fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, mask)."""
+    fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, mask).
+    Rows are numpy views of the batch's tensors, which the client sends without copying into lists."""
     prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
     if not prompts[0].dim() == 1 or "attention_mask" in data.keys() and not data["prompts"].is_nested:
         raise ValueError("arctic_rl expects verl's no-padding batches (jagged rows); padded batches are not supported")
@@ -39,7 +41,7 @@ def sequences_from_batch(data: TensorDict) -> list[Sequence]:
     old = _response_rows(data, "old_log_probs")
     return [
         Sequence(
-            prompt_ids=p.tolist(), response_ids=r.tolist(), group_id=None if uid is None else str(uid),
+            prompt_ids=p.cpu().numpy(), response_ids=r.cpu().numpy(), group_id=None if uid is None else str(uid),
             loss_mask=None if mask is None else mask[i],
             advantages=None if advantages is None else advantages[i],
             behaviour_logprobs=None if old is None else old[i],
