@@ -8,9 +8,10 @@ every route does. The client streams the body as the client library does
 (header, then the tensor's own memory); `encode_s` is the time to lay it out.
 
 `--fwd-bwd`: 64 sequences x 4,096 tokens (1,024 prompt, 3,072 response, with
-advantages, behaviour log-probs and a loss mask), given as Python lists, to a
-backend whose `fwd_bwd` only turns each sequence's fields into tensors (what the
-engine's batching does first). The same call in process and through a loopback
+advantages, behaviour log-probs and a loss mask), given as Python lists and
+as numpy arrays (as an adapter hands over its tensors), to a backend whose
+`fwd_bwd` only turns each sequence's fields into tensors (what the engine's
+batching does first). The same call in process and through a loopback
 server on a thread of this process; the difference is the server's overhead
 (client validation and encoding, transfer, decoding, parsing, response).
 """
@@ -95,9 +96,9 @@ def fwd_bwd_overhead(sequences: int, prompt_len: int, response_len: int, repeats
             seqs = [s if isinstance(s, Sequence) else Sequence.model_validate(s) for s in sequences]
             tokens = 0
             for s in seqs:
-                tokens += torch.as_tensor(list(s.prompt_ids) + list(s.response_ids)).numel()
+                tokens += torch.as_tensor(np.concatenate([np.asarray(s.prompt_ids), np.asarray(s.response_ids)])).numel()
                 for name in ("advantages", "behaviour_logprobs", "loss_mask"):
-                    torch.as_tensor(getattr(s, name), dtype=torch.float32)
+                    torch.as_tensor(np.asarray(getattr(s, name), dtype=np.float32))
             fields = {"loss": 0.0, "metrics": {}, "num_tokens": tokens, "num_sequences": len(seqs), "weight_version": 0}
             if "computed_tokens" in FwdBwdResult.model_fields:  # so the same script measures older versions
                 fields["computed_tokens"] = tokens
@@ -111,24 +112,32 @@ def fwd_bwd_overhead(sequences: int, prompt_len: int, response_len: int, repeats
     abc.update_abstractmethods(TensorizingBackend)
     backend = TensorizingBackend()
     rng = np.random.default_rng(0)
-    batch = [{"prompt_ids": rng.integers(0, 150_000, prompt_len).tolist(),
-              "response_ids": rng.integers(0, 150_000, response_len).tolist(),
-              "group_id": i // 8,
-              "advantages": [float(rng.standard_normal())] * response_len,
-              "behaviour_logprobs": (-rng.random(response_len)).tolist(),
-              "loss_mask": [1.0] * response_len} for i in range(sequences)]
-    in_process_s, in_process_all = median_seconds(lambda: backend.fwd_bwd(batch, "grpo"), repeats)
+    arrays = [{"prompt_ids": rng.integers(0, 150_000, prompt_len),
+               "response_ids": rng.integers(0, 150_000, response_len),
+               "group_id": i // 8,
+               "advantages": np.full(response_len, rng.standard_normal(), dtype=np.float32),
+               "behaviour_logprobs": -rng.random(response_len, dtype=np.float32),
+               "loss_mask": np.ones(response_len, dtype=np.float32)} for i in range(sequences)]
+    lists = [{k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in seq.items()} for seq in arrays]
+    try:
+        Sequence.model_validate(arrays[0])
+        inputs = {"lists": lists, "arrays": arrays}
+    except ValueError:  # versions before the types took arrays
+        inputs = {"lists": lists}
+    out = {"sequences": sequences, "tokens_per_sequence": prompt_len + response_len, "repeats": repeats}
     settings = ServerSettings(port=free_loopback_port(), max_request_bytes=2**31)
     with ServerThread(settings, config=None, backend_factory=lambda config: backend) as url:
         client = ArcticRLClient(url, retries=0)
         client.initialize({"model_path": "unused"})
-        result = client.fwd_bwd(batch, "grpo")
-        assert result.num_tokens == sequences * (prompt_len + response_len)
-        http_s, http_all = median_seconds(lambda: client.fwd_bwd(batch, "grpo"), repeats)
+        for kind, batch in inputs.items():
+            result = client.fwd_bwd(batch, "grpo")
+            assert result.num_tokens == sequences * (prompt_len + response_len)
+            in_process_s, in_process_all = median_seconds(lambda: backend.fwd_bwd(batch, "grpo"), repeats)
+            http_s, http_all = median_seconds(lambda: client.fwd_bwd(batch, "grpo"), repeats)
+            out[kind] = {"in_process_s": in_process_s, "http_s": http_s, "overhead_s": http_s - in_process_s,
+                         "raw_s": {"in_process": in_process_all, "http": http_all}}
         client.close()
-    return {"sequences": sequences, "tokens_per_sequence": prompt_len + response_len, "repeats": repeats,
-            "in_process_s": in_process_s, "http_s": http_s, "overhead_s": http_s - in_process_s,
-            "raw_s": {"in_process": in_process_all, "http": http_all}}
+    return out
 
 
 def add_arguments(p) -> None:
@@ -146,9 +155,11 @@ def main(args) -> int:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"fwd_bwd of {result['sequences']} x {result['tokens_per_sequence']} tokens: in process "
-                  f"{result['in_process_s']:.3f} s, over HTTP {result['http_s']:.3f} s, "
-                  f"server overhead {result['overhead_s']:.3f} s (medians of {result['repeats']})")
+            for kind in ("lists", "arrays"):
+                r = result[kind]
+                print(f"fwd_bwd of {result['sequences']} x {result['tokens_per_sequence']} tokens as {kind}: in process "
+                      f"{r['in_process_s']:.3f} s, over HTTP {r['http_s']:.3f} s, "
+                      f"server overhead {r['overhead_s']:.3f} s (medians of {result['repeats']})")
         return 0
     result = run(args.payload_mib, args.latency_calls, args.repeats)
     if args.json:
