@@ -17,6 +17,9 @@ import torch
 
 for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
     os.environ.setdefault(key, value)
+# This process is a verl worker of a run that selected the arctic-rl backend (what the
+# arctic_ppo_trainer config marks in every Ray worker's environment).
+os.environ["ARCTIC_RL_VERL_BACKEND"] = "arctic-rl"
 
 import verl  # noqa: E402,F401  (loads the arctic_rl plugin through verl's entry point)
 from tensordict import NonTensorStack, TensorDict  # noqa: E402
@@ -31,7 +34,7 @@ from arctic_rl_verl.config import ArcticEngineConfig  # noqa: E402
 from arctic_rl_verl.connect import ArcticSetupError  # noqa: E402
 from arctic_rl_core.types import Sequence  # noqa: E402
 
-from conftest import free_port, make_model  # noqa: E402
+from conftest import free_port, make_model, run_python  # noqa: E402
 
 GROUPS, G = 3, 4
 
@@ -159,3 +162,18 @@ def test_the_cpu_process_group_patch_is_recorded_and_refuses_to_patch_twice():
     with pytest.raises(PatchConflict, match="already patched"):
         cpu_process_group_patch().apply()
     assert verl_distributed.initialize_global_process_group_ray.__module__ == "arctic_rl_verl.plugin"
+
+
+def test_without_the_backend_selected_importing_verl_patches_nothing():
+    """The adapter installed in verl's environment registers its names, but changes nothing of verl's own
+    behaviour until a run selects the arctic-rl backend."""
+    code = """
+import verl, verl.utils.distributed as d
+from arctic_rl_core.patches import applied
+print(d.initialize_global_process_group_ray.__module__, [row["patch"] for row in applied()])
+"""
+    out = run_python(code, timeout=300, ARCTIC_RL_VERL_BACKEND="")
+    assert out.returncode == 0, out.stderr[-3000:]
+    module, patches = out.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert module == "verl.utils.distributed", out.stdout
+    assert "initialize_global_process_group_ray" not in patches

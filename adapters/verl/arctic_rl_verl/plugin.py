@@ -2,18 +2,30 @@
 
 verl ignores what the import returns and hides its errors at debug level, so this module
 registers everything as it is imported and logs its own failures loudly. In order:
-1. on machines without an accelerator, a CPU platform (before verl first resolves one) and
-   the process-group patch that CPU needs;
-2. the `arctic_rl` training engine and rollout;
+1. on machines without an accelerator, a CPU platform (before verl first resolves one), and,
+   only in processes of a run that selects the arctic-rl backend, the process-group patch
+   that CPU needs (the one change to verl's own behaviour);
+2. the `arctic_rl` training engine and rollout, under names of their own;
 3. the `arctic_rl_backend` config resolver (`trainer.backend` in `arctic_ppo_trainer`).
+
+A run selects the backend with `trainer.backend=arctic-rl` in the `arctic_ppo_trainer`
+config, which also puts `ARCTIC_RL_VERL_BACKEND` into the environment of every Ray worker
+(`ray_kwargs.ray_init.runtime_env`), where the workers' process groups are made.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 logger = logging.getLogger("arctic_rl_verl")
 BACKENDS = {"arctic-rl": "arctic_rl"}
+SELECTED_ENV = "ARCTIC_RL_VERL_BACKEND"
+"""Set (by the arctic_ppo_trainer config) in the processes of a run that selects the arctic-rl backend."""
+
+
+def selected() -> bool:
+    return os.environ.get(SELECTED_ENV) in BACKENDS
 
 
 def backend_name(choice: str) -> str:
@@ -47,7 +59,8 @@ def load() -> None:
     if not torch.cuda.is_available():
         from arctic_rl_verl import platform_cpu  # noqa: F401  (registers the platform)
 
-        cpu_process_group_patch().apply()
+        if selected():
+            cpu_process_group_patch().apply()
     from arctic_rl_verl import engine  # noqa: F401  (registers the engine)
     from arctic_rl_verl import rollout
 
