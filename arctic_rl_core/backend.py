@@ -7,6 +7,7 @@ request leaves weights, optimizer state and accumulated gradients as they were.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -249,6 +250,12 @@ class InProcessBackend(TrainingAPI):
             self._synced_step = self.engine.steps
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
+    def close(self) -> None:
+        """Stop what this job started outside its process (a trainer group's Ray actors)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     def describe(self) -> dict:
         """The model's defining shape (for clients to check they use the same model), and counters."""
         from transformers import AutoConfig
@@ -259,6 +266,7 @@ class InProcessBackend(TrainingAPI):
             "weight_version": self._weight_version,
             "generated": dict(self.generated),
             "sync_route": self.sampler.sync_route,
+            "trainer": getattr(self.engine, "placement", [{"rank": 0, "node": "driver", "pid": os.getpid()}]),
         }
 
     def state_digest(self) -> str:

@@ -42,6 +42,23 @@ class EngineConfig(_Config):
     ds_config: dict[str, Any] = Field(default_factory=dict)
     """Merged over the generated DeepSpeed config (e.g. an `optimizer` block to use DeepSpeed's own)."""
     seed: int = 0
+    ranks: int = Field(1, ge=1)
+    """Trainer ranks. 1: the engine runs in the backend's process (no Ray). N > 1: N Ray actors forming
+    one torch.distributed world (NCCL on GPUs, gloo on CPU) under this DeepSpeed config (docs/placement.md)."""
+    weight_bucket_mb: int = Field(256, ge=1)
+    """With ranks > 1, weights leave rank 0 for the sampler in buckets of about this size (ZeRO-3: gathered
+    one bucket at a time, never the whole model at once)."""
+
+
+class RaySettings(_Config):
+    """Where the Ray actors of a distributed job run (only used with engine.ranks > 1)."""
+
+    address: str | None = None
+    """An existing cluster to join (`ray://...`, `auto`, host:port); default: a local Ray started and stopped with the job."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of a local Ray (default: this machine's cores)."""
+    start_timeout_s: float = Field(120.0, gt=0)
+    """How long the actors may take to be placed and to start before the job fails to initialise."""
 
 
 class ZorroConfig(_Config):
@@ -91,3 +108,4 @@ class BackendConfig(_Config):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     zorro: ZorroConfig = Field(default_factory=ZorroConfig)
+    ray: RaySettings = Field(default_factory=RaySettings)

@@ -26,9 +26,13 @@ class TrainingEngine(ABC):
 
     @abstractmethod
     def forward_backward(
-        self, micro_batches: list[MicroBatch], loss: Registered, loss_config, post: list[tuple[Registered, object]]
+        self, micro_batches: list[MicroBatch], loss: Registered, loss_config, post: list[tuple[Registered, object]],
+        scales: list[float] | None = None,
     ) -> tuple[float, dict[str, float]]:
-        """Accumulate gradients of the loss over all micro-batches; return the loss and additive metrics."""
+        """Accumulate gradients of the loss over all micro-batches; return the loss and additive metrics.
+
+        `scales` (a trainer group's ranks) multiplies each micro-batch's loss before its backward; the
+        returned loss and metrics are unscaled and leave out micro-batches scaled by 0."""
 
     @abstractmethod
     def forward(

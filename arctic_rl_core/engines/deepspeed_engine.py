@@ -116,6 +116,8 @@ class DeepSpeedEngine(TrainingEngine):
         self.config = ec
         self.stage = ec.zero_stage
         self.concurrent_forward = ec.zero_stage < 3
+        self.lockstep = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        """One rank of several: every micro-batch's forward and backward runs even after a refusal."""
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         try:
             hf_config = AutoConfig.from_pretrained(config.model_path)
@@ -209,26 +211,38 @@ class DeepSpeedEngine(TrainingEngine):
         moved = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()}
         return LossInputs(**moved)
 
-    def forward_backward(self, micro_batches, loss, loss_config, post):
+    def forward_backward(self, micro_batches, loss, loss_config, post, scales=None):
         with_entropy = bool(getattr(loss_config, "needs_entropy", lambda: False)())
         total = 0.0
         metrics: dict[str, float] = defaultdict(float)
+        failure: InvalidRequest | None = None
         for k, mb in enumerate(micro_batches):
+            scale = 1.0 if scales is None else scales[k]
             mb.inputs = self._inputs_on_device(mb.inputs)
             outputs = self._outputs(mb, post, with_entropy)
             value, mb_metrics = loss.fn(outputs, mb.inputs, loss_config)
             if value.dim() != 0:
                 raise ArcticRLError(f"loss {loss.name!r} returned shape {tuple(value.shape)}, expected a scalar")
-            if not torch.isfinite(value):
-                raise InvalidRequest("loss", f"loss {loss.name!r} is {value.item()} in micro-batch {k}")
+            if failure is None and not torch.isfinite(value):
+                failure = InvalidRequest("loss", f"loss {loss.name!r} is {value.item()} in micro-batch {k}")
+            if failure is not None and not self.lockstep:
+                raise failure
             self._grad_finite.clear()
-            self.engine.backward(value)
+            # After a failure, ranks of a group still run every backward (their collectives must pair up);
+            # the caller then discards these gradients.
+            weight = 0.0 if failure is not None else scale
+            self.engine.backward(value if weight == 1.0 else value * weight)
             self._has_gradients = True
-            if self._grad_finite and not bool(torch.stack(self._grad_finite).all()):
-                raise InvalidRequest("loss", f"loss {loss.name!r} has non-finite gradients in micro-batch {k}")
-            total += value.item()
-            for name, m in mb_metrics.items():
-                metrics[name] += float(m)
+            if failure is None and self._grad_finite and not bool(torch.stack(self._grad_finite).all()):
+                failure = InvalidRequest("loss", f"loss {loss.name!r} has non-finite gradients in micro-batch {k}")
+                if not self.lockstep:
+                    raise failure
+            if scale and failure is None:
+                total += value.item()
+                for name, m in mb_metrics.items():
+                    metrics[name] += float(m)
+        if failure is not None:
+            raise failure
         return total, dict(metrics)
 
     @torch.no_grad()

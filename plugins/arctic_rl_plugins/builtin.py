@@ -21,6 +21,10 @@ def arctic_rl_post_processors():
 
 
 def _deepspeed_engine(config):
+    if config.engine.ranks > 1:
+        from arctic_rl_core.engines.trainer_group import TrainerGroup
+
+        return TrainerGroup(config)
     from arctic_rl_core.engines.deepspeed_engine import DeepSpeedEngine
 
     return DeepSpeedEngine(config)

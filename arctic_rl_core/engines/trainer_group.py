@@ -1,0 +1,223 @@
+"""`engine.ranks: N`: N DeepSpeed ranks as Ray actors, driven as one training engine.
+
+The backend's process is the driver. It validates a call and builds its
+micro-batches exactly as for one rank (every loss denominator is the whole
+batch's), deals them to ranks by `rank_plan.plan_ranks` (GRPO groups whole on
+one rank, balanced by computed tokens, equal counts per rank), and gathers the
+results in the caller's order. DeepSpeed averages gradients over the ranks, so
+each rank's loss is scaled by N: the sum over ranks of the per-rank gradients
+is the gradient of the whole batch, and the update equals one rank's on the
+whole batch. Every collective (ZeRO-3 gathers, gradient reductions, weight
+gathers for sync) is entered by all ranks in the same order, because the driver
+sends each call to all ranks before waiting and never overlaps two calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from typing import Iterator
+
+import torch
+
+from arctic_rl_core.batching import MicroBatch
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.engines.base import TrainingEngine
+from arctic_rl_core.engines.rank_plan import RankPlan, plan_ranks
+from arctic_rl_core.errors import ArcticRLError
+
+
+class TrainerRankFailed(ArcticRLError):
+    """A trainer rank died or failed: the call did not apply; the job resumes from its last checkpoint."""
+
+
+class TrainerRank:
+    """One rank, in its own Ray actor: a DeepSpeedEngine in a world of `world` ranks."""
+
+    def __init__(self, config: dict, rank: int, world: int):
+        self.config, self.rank, self.world = config, rank, world
+        self.engine = None
+        self._weights: Iterator | None = None
+
+    @staticmethod
+    def _node() -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return self._node(), s.getsockname()[1]
+
+    def start(self, master_addr: str, master_port: int) -> dict:
+        # Ray gives each actor its own devices (CUDA_VISIBLE_DEVICES), so the local rank is 0.
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0",
+                          MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        from arctic_rl_core.engines.deepspeed_engine import DeepSpeedEngine
+
+        self.engine = DeepSpeedEngine(BackendConfig.model_validate(self.config))
+        e = self.engine
+        return {"max_context": e.max_context, "vocab_size": e.vocab_size, "pad_token_id": e.pad_token_id,
+                "zorro_loaded": e.zorro_loaded, "node": self._node(), "pid": os.getpid()}
+
+    def forward_backward(self, micro_batches, scales, loss, loss_config, post):
+        return self.engine.forward_backward(micro_batches, loss, loss_config, post, scales=scales)
+
+    def forward(self, micro_batches, post, with_entropy):
+        return [out for _, out in self.engine.forward(micro_batches, post, with_entropy)]
+
+    def discard_gradients(self) -> None:
+        self.engine.discard_gradients()
+
+    def optimizer_step(self, learning_rate):
+        return self.engine.optimizer_step(learning_rate)
+
+    def counters(self) -> tuple[bool, int]:
+        return self.engine.has_gradients, self.engine.steps
+
+    def weights_bucket(self, bucket_bytes: int, restart: bool) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """The next ~`bucket_bytes` of full weights (rank 0 returns them; the other ranks take part in the
+        ZeRO-3 gathers and return none), and whether more follow."""
+        if restart or self._weights is None:
+            self._weights = self.engine.named_full_weights()
+        out, size = [], 0
+        for name, tensor in self._weights:
+            if self.rank == 0:
+                out.append((name, tensor.detach().cpu().clone()))
+            size += tensor.numel() * tensor.element_size()
+            if size >= bucket_bytes:
+                return out, True
+        self._weights = None
+        return out, False
+
+    def save(self, path: str, client_state: dict) -> None:
+        self.engine.save(path, client_state)
+
+    def load(self, path: str) -> dict:
+        return self.engine.load(path)
+
+    def state_digest(self) -> str:
+        return self.engine.state_digest()
+
+
+class TrainerGroup(TrainingEngine):
+    concurrent_forward = False  # one call at a time: every rank must enter the same collectives in the same order
+
+    def __init__(self, config: BackendConfig):
+        import ray
+
+        from arctic_rl_core.ray_job import RayJob
+
+        self.ranks = config.engine.ranks
+        self.bucket_bytes = config.engine.weight_bucket_mb * 2**20
+        self.job = RayJob(config.ray)
+        try:
+            accelerator = self.job.accelerator()
+            bundle = {"CPU": 1.0, **({accelerator: 1.0} if accelerator else {})}
+            group = self.job.placement_group([bundle] * self.ranks, "engine.ranks")
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            payload = config.model_dump(mode="json")
+            self.actors = [
+                self.job.actor(TrainerRank, payload, rank, self.ranks, num_cpus=1, num_gpus=1 if accelerator else 0,
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank))
+                for rank in range(self.ranks)
+            ]
+            addr, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=config.ray.start_timeout_s)
+            facts = self._all("start", addr, port)
+        except BaseException:
+            self.job.close()
+            raise
+        first = facts[0]
+        self.max_context, self.vocab_size = first["max_context"], first["vocab_size"]
+        self.pad_token_id, self.zorro_loaded = first["pad_token_id"], first["zorro_loaded"]
+        self.placement = [{"rank": r, "node": f["node"], "pid": f["pid"]} for r, f in enumerate(facts)]
+        self.last_plan: RankPlan | None = None
+        """The plan of the last fwd_bwd or log_probs: which micro-batches each rank ran."""
+
+    # -- calls to every rank ---------------------------------------------------------------------
+
+    def _wait(self, refs: list) -> list:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return ray.get(refs)
+        except RayTaskError as err:
+            cause = getattr(err, "cause", None)
+            if isinstance(cause, ArcticRLError):  # a refusal (InvalidRequest ...) raised on the ranks
+                raise cause from None
+            raise TrainerRankFailed(f"a trainer rank failed: {err}") from None
+        except RayActorError as err:
+            raise TrainerRankFailed(f"a trainer rank died ({err}); the call was not applied. Start a new job and "
+                                    f"load_checkpoint to resume from the last checkpoint") from None
+
+    def _all(self, method: str, *args) -> list:
+        return self._wait([getattr(actor, method).remote(*args) for actor in self.actors])
+
+    def _per_rank(self, plan: RankPlan, micro_batches: list[MicroBatch]):
+        for rank in range(self.ranks):
+            own = [micro_batches[i] for i in plan.micro_batches[rank]]
+            yield rank, own + [micro_batches[plan.filler]] * plan.fillers[rank], len(own)
+
+    # -- TrainingEngine --------------------------------------------------------------------------
+
+    def forward_backward(self, micro_batches, loss, loss_config, post, scales=None):
+        plan = self.last_plan = plan_ranks(micro_batches, self.ranks)
+        refs = []
+        for rank, batch, own in self._per_rank(plan, micro_batches):
+            given = [1.0 if scales is None else scales[i] for i in plan.micro_batches[rank]]
+            rank_scales = [s * self.ranks for s in given] + [0.0] * plan.fillers[rank]
+            refs.append(self.actors[rank].forward_backward.remote(batch, rank_scales, loss, loss_config, post))
+        results = self._wait(refs)
+        metrics: dict[str, float] = {}
+        for _, rank_metrics in results:
+            for name, value in rank_metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + value
+        return sum(value for value, _ in results), metrics
+
+    def forward(self, micro_batches, post, with_entropy):
+        plan = self.last_plan = plan_ranks(micro_batches, self.ranks)
+        refs = [self.actors[rank].forward.remote(batch, post, with_entropy)
+                for rank, batch, _ in self._per_rank(plan, micro_batches)]
+        outputs: dict[int, dict] = {}
+        for rank, rank_outputs in enumerate(self._wait(refs)):
+            for index, out in zip(plan.micro_batches[rank], rank_outputs):
+                outputs[index] = out
+        return [(mb, outputs[i]) for i, mb in enumerate(micro_batches)]
+
+    def discard_gradients(self) -> None:
+        self._all("discard_gradients")
+
+    def optimizer_step(self, learning_rate):
+        return self._all("optimizer_step", learning_rate)[0]
+
+    @property
+    def has_gradients(self) -> bool:
+        return self._wait([self.actors[0].counters.remote()])[0][0]
+
+    @property
+    def steps(self) -> int:
+        return self._wait([self.actors[0].counters.remote()])[0][1]
+
+    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        more, restart = True, True
+        while more:
+            buckets = self._all("weights_bucket", self.bucket_bytes, restart)
+            bucket, more = buckets[0]
+            restart = False
+            yield from bucket
+
+    def save(self, path: str, client_state: dict) -> None:
+        self._all("save", path, client_state)
+
+    def load(self, path: str) -> dict:
+        return self._all("load", path)[0]
+
+    def state_digest(self) -> str:
+        return hashlib.sha256("".join(self._all("state_digest")).encode()).hexdigest()
+
+    def close(self) -> None:
+        self.job.close()

@@ -1,0 +1,108 @@
+"""`engine.ranks: 2`: two DeepSpeed ranks as Ray actors (gloo) give the loss, log-probs and update of one
+rank on the whole batch, for ZeRO 1, 2 and 3, ZoRRo on and off; GRPO groups never span ranks."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from arctic_rl_core.backend import InProcessBackend
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.types import Sequence
+
+pytestmark = pytest.mark.scenario
+
+RTOL = 1e-5
+
+
+def unequal_groups(seed: int = 0) -> list[Sequence]:
+    """Groups of 5, 1, 3 and 2 sequences plus one ungrouped sequence, responses of different lengths."""
+    rng = random.Random(seed)
+    seqs = []
+    for g, size in enumerate([5, 1, 3, 2]):
+        prompt = [rng.randrange(3, 400) for _ in range(rng.randrange(8, 20))]
+        for _ in range(size):
+            n = rng.randrange(3, 12)
+            seqs.append(Sequence(prompt_ids=prompt, response_ids=[rng.randrange(3, 400) for _ in range(n)], group_id=g,
+                                 advantages=[rng.uniform(-1, 1)] * n, behaviour_logprobs=[-rng.uniform(3, 9) for _ in range(n)]))
+    seqs.append(Sequence(prompt_ids=[5, 6, 7], response_ids=[8, 9, 10, 11], advantages=[0.5] * 4,
+                         behaviour_logprobs=[-4.0] * 4))
+    rng.shuffle(seqs)
+    return seqs
+
+
+def config(model: str, stage: int, ranks: int) -> dict:
+    # A small token budget: several micro-batches per call, and the largest group split between two.
+    return {"model_path": model, "sampler": {"name": "transformers"},
+            "engine": {"zero_stage": stage, "ranks": ranks, "learning_rate": 1e-3, "micro_batch_tokens": 96}}
+
+
+def weights(api: InProcessBackend) -> dict[str, torch.Tensor]:
+    return {name: tensor.float().clone() for name, tensor in api.engine.named_full_weights()}
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a - b).abs() <= RTOL * b.abs() + 1e-7).all())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_ranks_update_exactly_as_one_rank_on_the_whole_batch(tiny_model, stage):
+    seqs = unequal_groups()
+    one = InProcessBackend(config(tiny_model, stage, 1))
+    two = InProcessBackend(config(tiny_model, stage, 2))
+    try:
+        assert len(two.engine.placement) == 2
+        for zorro in (True, False):  # the one switch, flipped at run time
+            one.config.zorro.enable = two.config.zorro.enable = zorro
+            a, b = one.fwd_bwd(seqs, "grpo"), two.fwd_bwd(seqs, "grpo")
+            assert b.loss == pytest.approx(a.loss, rel=RTOL, abs=1e-7)
+            assert b.computed_tokens == a.computed_tokens and b.num_tokens == a.num_tokens
+            for name, value in a.metrics.items():
+                assert b.metrics[name] == pytest.approx(value, rel=RTOL, abs=1e-6), name
+            plan = two.engine.last_plan
+            assert all(plan.micro_batches) and plan.groups[0].isdisjoint(plan.groups[1]), plan
+            lp_a, lp_b = one.log_probs(seqs).logprobs, two.log_probs(seqs).logprobs
+            for x, y in zip(lp_a, lp_b):
+                assert close(torch.tensor(y), torch.tensor(x))
+            step_a, step_b = one.step(), two.step()
+            assert step_b.grad_norm == pytest.approx(step_a.grad_norm, rel=RTOL)
+            wa, wb = weights(one), weights(two)
+            assert wa.keys() == wb.keys()
+            bad = [name for name in wa if not close(wb[name], wa[name])]
+            assert not bad, f"ZeRO-{stage} zorro={zorro}: weights differ in {bad[:5]}"
+        assert two.engine.steps == 2
+        assert len({row["pid"] for row in two.describe()["trainer"]}) == 2
+
+        # A refusal on one rank only (one group's loss is infinite): the ranks stay in step, the call fails
+        # naming the loss, and the gradients pending from before it are kept exactly.
+        poisoned = [s.model_copy(update={"behaviour_logprobs": [-1e30] * len(s.response_ids)}) if s.group_id == 0 else s
+                    for s in seqs]
+        pool = ThreadPoolExecutor(1)  # a hang (ranks out of step) fails the test instead of blocking it
+        try:
+            for api in (one, two):
+                api.fwd_bwd(seqs, "grpo")
+                with pytest.raises(InvalidRequest) as err:
+                    pool.submit(api.fwd_bwd, poisoned, {"name": "importance_sampling"}).result(timeout=300)
+                assert err.value.field == "loss"
+        finally:
+            pool.shutdown(wait=False)
+        step_a, step_b = one.step(), two.step()
+        assert step_b.grad_norm == pytest.approx(step_a.grad_norm, rel=RTOL)
+        wa, wb = weights(one), weights(two)
+        assert all(close(wb[name], wa[name]) for name in wa)
+    finally:
+        two.close()
+
+
+def test_more_ranks_than_the_cluster_can_place_fail_at_start_naming_the_setting(tiny_model):
+    import ray
+
+    cfg = config(tiny_model, 2, 64)
+    cfg["ray"] = {"num_cpus": 2}
+    with pytest.raises(InvalidRequest) as err:
+        InProcessBackend(cfg)
+    assert err.value.field == "engine.ranks" and "64 CPU needed, the cluster has 2" in str(err.value)
+    assert not ray.is_initialized()  # the job's local Ray was stopped: no actors or placement groups left
