@@ -20,6 +20,17 @@ class InvalidRequest(ArcticRLError, ValueError):
         self.message = message
         super().__init__(f"{field}: {message}")
 
+    def __reduce__(self):
+        # Picklable with its field (a trainer rank's refusal crosses Ray to the driver), whatever a
+        # subclass's own constructor takes.
+        return _rebuilt, (type(self), self.field, self.message)
+
+
+def _rebuilt(cls: type, field: str, message: str) -> InvalidRequest:
+    error = cls.__new__(cls)
+    InvalidRequest.__init__(error, field, message)
+    return error
+
 
 class UnknownName(InvalidRequest):
     """A loss, post-processor, engine or sampler name that no plugin provides."""

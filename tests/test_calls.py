@@ -45,3 +45,15 @@ def test_a_bad_argument_is_refused_before_anything_is_sent():
         client.step(learning_rate=-1.0)
     with pytest.raises(TypeError):
         client.step(1e-3, 2)
+
+
+def test_refusals_survive_pickling_with_their_field():
+    """A trainer rank's refusal reaches the driver through Ray (pickle) as the same error, naming its field."""
+    import pickle
+
+    from arctic_rl_core.errors import InvalidRequest, UnknownName
+    from arctic_rl_core.wire import WireError
+
+    for error in (InvalidRequest("loss", "is inf"), UnknownName("loss.name", "unknown loss 'x'"), WireError("short")):
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and (copy.field, copy.message, str(copy)) == (error.field, error.message, str(error))

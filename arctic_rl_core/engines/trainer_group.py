@@ -141,7 +141,7 @@ class TrainerGroup(TrainingEngine):
 
     def _wait(self, refs: list) -> list:
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RayError, RayTaskError
 
         try:
             return ray.get(refs)
@@ -153,6 +153,8 @@ class TrainerGroup(TrainingEngine):
         except RayActorError as err:
             raise TrainerRankFailed(f"a trainer rank died ({err}); the call was not applied. Start a new job and "
                                     f"load_checkpoint to resume from the last checkpoint") from None
+        except RayError as err:
+            raise TrainerRankFailed(f"a trainer rank failed: {err}") from None
 
     def _all(self, method: str, *args) -> list:
         return self._wait([getattr(actor, method).remote(*args) for actor in self.actors])
