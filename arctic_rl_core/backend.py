@@ -39,6 +39,41 @@ from arctic_rl_core.types import (
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 
 
+class SharedLock:
+    """Exclusive when entered (`with lock:`), or shared among holders of `lock.shared()`. A waiting exclusive
+    holder goes before new sharers, so a stream of generate calls cannot starve sync_weights."""
+
+    def __init__(self):
+        self._state = threading.Condition()
+        self._sharers = 0
+        self._exclusive = False
+        self._waiting = 0
+
+    def __enter__(self):
+        with self._state:
+            self._waiting += 1
+            self._state.wait_for(lambda: not self._exclusive and not self._sharers)
+            self._waiting -= 1
+            self._exclusive = True
+
+    def __exit__(self, *exc):
+        with self._state:
+            self._exclusive = False
+            self._state.notify_all()
+
+    @contextmanager
+    def shared(self):
+        with self._state:
+            self._state.wait_for(lambda: not self._exclusive and not self._waiting)
+            self._sharers += 1
+        try:
+            yield
+        finally:
+            with self._state:
+                self._sharers -= 1
+                self._state.notify_all()
+
+
 def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
     if not isinstance(sequences, list):
         raise InvalidRequest(field, "must be a list of sequences")
@@ -53,7 +88,16 @@ class InProcessBackend(TrainingAPI):
         engine_factory = plugins.engine_factory(self.config.engine.name)
         sampler_factory = plugins.sampler_factory(self.config.sampler.name)
         self.engine = engine_factory(self.config)
-        self.sampler = sampler_factory(self.config)
+        try:
+            if self.config.sampler.replicas > 1:
+                from arctic_rl_core.samplers.sampler_pool import SamplerPool
+
+                self.sampler = SamplerPool(self.config)
+            else:
+                self.sampler = sampler_factory(self.config)
+        except BaseException:
+            self._close(self.engine)
+            raise
         self._weight_version = 0
         self._synced_step = 0
         """Optimizer step count of the weights the sampler holds."""
@@ -61,10 +105,12 @@ class InProcessBackend(TrainingAPI):
         self._train_lock = threading.Lock()
         # Held by whatever writes the trainer's weights (step, load) and by log_probs, which reads them.
         self._weights_lock = threading.Lock()
-        # generate and sync_weights share the sampler's copy of the weights.
-        self._sampler_lock = threading.Lock()
+        # generate and sync_weights share the sampler's copy of the weights. A sampler pool takes concurrent
+        # generate calls (each replica queues its own work); everything else has the sampler to itself.
+        self._sampler_lock = SharedLock()
         self._accumulated: list[tuple] = []
         """The fwd_bwd calls whose gradients are pending: replayed to restore them if a later call fails."""
+        self._counters_lock = threading.Lock()
         self.generated = {"calls": 0, "completions": 0, "tokens": 0}
         """What the sampler produced so far (served by the server's status route)."""
 
@@ -134,12 +180,14 @@ class InProcessBackend(TrainingAPI):
         bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
-        with self._sampler_lock:
+        shared = getattr(self.sampler, "concurrent_generate", False)
+        with self._sampler_lock.shared() if shared else self._sampler_lock:
             completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version)
+        with self._counters_lock:
             self.generated["calls"] += 1
             self.generated["completions"] += len(completions)
             self.generated["tokens"] += sum(len(c.token_ids) for c in completions)
-            return completions
+        return completions
 
     def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0,
                   source: str = "trainer") -> LogProbsResult:
@@ -150,7 +198,8 @@ class InProcessBackend(TrainingAPI):
             if with_entropy or temperature != 1.0:
                 raise InvalidRequest("with_entropy" if with_entropy else "temperature",
                                      "the sampler scores plain log-probs only (temperature 1, no entropy)")
-            with self._sampler_lock:
+            shared = getattr(self.sampler, "concurrent_generate", False)
+            with self._sampler_lock.shared() if shared else self._sampler_lock:
                 scores = self.sampler.score([(token_list(s.prompt_ids), token_list(s.response_ids)) for s in seqs])
             return LogProbsResult(logprobs=scores, weight_version=self._weight_version)
         if source != "trainer":
@@ -223,7 +272,7 @@ class InProcessBackend(TrainingAPI):
 
     def sync_weights(self) -> int:
         with self._train_lock, self._sampler_lock:
-            self.sampler.load_weights(self.engine.named_full_weights())
+            self.sampler.load_weights(self.engine.named_full_weights(), self._weight_version + 1)
             self._weight_version += 1
             self._synced_step = self.engine.steps
         return self._weight_version
@@ -243,16 +292,22 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock, self._weights_lock, self._sampler_lock:
             state = self.engine.load(path)
             self._accumulated.clear()
-            self.sampler.load_weights(self.engine.named_full_weights())
             # Weights stepped after the checkpoint's last sync were never published: they get a new version.
             unpublished = self.engine.steps != int(state.get("synced_step", self.engine.steps))
-            self._weight_version = int(state.get("weight_version", 0)) + int(unpublished)
+            version = int(state.get("weight_version", 0)) + int(unpublished)
+            self.sampler.load_weights(self.engine.named_full_weights(), version)
+            self._weight_version = version
             self._synced_step = self.engine.steps
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
     def close(self) -> None:
-        """Stop what this job started outside its process (a trainer group's Ray actors)."""
-        close = getattr(self.engine, "close", None)
+        """Stop what this job started outside its process (a trainer group's and a sampler pool's Ray actors)."""
+        self._close(self.sampler)
+        self._close(self.engine)
+
+    @staticmethod
+    def _close(part) -> None:
+        close = getattr(part, "close", None)
         if close is not None:
             close()
 
@@ -267,6 +322,9 @@ class InProcessBackend(TrainingAPI):
             "generated": dict(self.generated),
             "sync_route": self.sampler.sync_route,
             "trainer": getattr(self.engine, "placement", [{"rank": 0, "node": "driver", "pid": os.getpid()}]),
+            "sampler": (self.sampler.describe() if hasattr(self.sampler, "describe") else
+                        [{"replica": 0, "node": "driver", "pid": os.getpid(), "healthy": True,
+                          "weight_version": self._weight_version}]),
         }
 
     def state_digest(self) -> str:

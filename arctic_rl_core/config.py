@@ -51,7 +51,7 @@ class EngineConfig(_Config):
 
 
 class RaySettings(_Config):
-    """Where the Ray actors of a distributed job run (only used with engine.ranks > 1)."""
+    """Where the Ray actors of a distributed job run (used with engine.ranks > 1 or sampler.replicas > 1)."""
 
     address: str | None = None
     """An existing cluster to join (`ray://...`, `auto`, host:port); default: a local Ray started and stopped with the job."""
@@ -73,6 +73,10 @@ class ZorroConfig(_Config):
 class SamplerConfig(_Config):
     name: str = "vllm"
     """`vllm`; or `transformers` (HF generate on a copy of the weights: light, slow, no prefix caching)."""
+    replicas: int = Field(1, ge=1)
+    """Sampler replicas. 1: the sampler of `placement`. M > 1: M Ray actors, each a sampler of this config
+    (with `engine_args.tensor_parallel_size` devices each on GPUs); generate and sampler log-probs are spread
+    across them, and a replica that dies is replaced (docs/placement.md)."""
     dtype: Dtype | None = None
     """Defaults to the engine's dtype."""
     placement: Literal["in_process", "subprocess"] = "in_process"
@@ -105,6 +109,10 @@ class SamplerConfig(_Config):
 
 class BackendConfig(_Config):
     model_path: str
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """With engine.ranks > 1 and sampler.replicas > 1: `colocated` puts trainer rank i and sampler replica i
+    on the same device (half of one placement-group bundle each); `disaggregated` gives each its own devices,
+    so generation can overlap training (docs/placement.md)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     zorro: ZorroConfig = Field(default_factory=ZorroConfig)

@@ -102,6 +102,29 @@ class TrainerRank:
         return self.engine.state_digest()
 
 
+class RankZeroWeights:
+    """The full weights, leaving rank 0 bucket by bucket while every rank takes part in the gathers.
+
+    Iterating it brings each bucket into this process. A sampler pool instead passes `bucket_refs()` on to
+    its replicas: the buckets go from rank 0's object store to them without passing through the driver."""
+
+    def __init__(self, group: "TrainerGroup"):
+        self.group = group
+
+    def bucket_refs(self) -> Iterator:
+        more, restart = True, True
+        while more:
+            calls = [actor.weights_bucket.options(num_returns=2).remote(self.group.bucket_bytes, restart)
+                     for actor in self.group.actors]
+            more = self.group._wait([more_ref for _, more_ref in calls])[0]
+            restart = False
+            yield calls[0][0]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for ref in self.bucket_refs():
+            yield from self.group._wait([ref])[0]
+
+
 class TrainerGroup(TrainingEngine):
     concurrent_forward = False  # one call at a time: every rank must enter the same collectives in the same order
 
@@ -112,28 +135,22 @@ class TrainerGroup(TrainingEngine):
 
         self.ranks = config.engine.ranks
         self.bucket_bytes = config.engine.weight_bucket_mb * 2**20
-        self.job = RayJob(config.ray)
+        self.job = RayJob.acquire(config)
         try:
-            accelerator = self.job.accelerator()
-            bundle = {"CPU": 1.0, **({accelerator: 1.0} if accelerator else {})}
-            group = self.job.placement_group([bundle] * self.ranks, "engine.ranks")
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
+            layout = self.job.layout(config)
             payload = config.model_dump(mode="json")
-            self.actors = [
-                self.job.actor(TrainerRank, payload, rank, self.ranks, num_cpus=1, num_gpus=1 if accelerator else 0,
-                               scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank))
-                for rank in range(self.ranks)
-            ]
+            self.actors = [self.job.actor(TrainerRank, payload, rank, self.ranks, **layout.trainer[rank])
+                           for rank in range(self.ranks)]
             addr, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=config.ray.start_timeout_s)
             facts = self._all("start", addr, port)
         except BaseException:
-            self.job.close()
+            self.job.release()
             raise
         first = facts[0]
         self.max_context, self.vocab_size = first["max_context"], first["vocab_size"]
         self.pad_token_id, self.zorro_loaded = first["pad_token_id"], first["zorro_loaded"]
-        self.placement = [{"rank": r, "node": f["node"], "pid": f["pid"]} for r, f in enumerate(facts)]
+        self.placement = [{"rank": r, "node": f["node"], "pid": f["pid"], "bundle": b}
+                          for (r, f), b in zip(enumerate(facts), layout.where["trainer"])]
         self.last_plan: RankPlan | None = None
         """The plan of the last fwd_bwd or log_probs: which micro-batches each rank ran."""
 
@@ -204,13 +221,8 @@ class TrainerGroup(TrainingEngine):
     def steps(self) -> int:
         return self._wait([self.actors[0].counters.remote()])[0][1]
 
-    def named_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        more, restart = True, True
-        while more:
-            buckets = self._all("weights_bucket", self.bucket_bytes, restart)
-            bucket, more = buckets[0]
-            restart = False
-            yield from bucket
+    def named_full_weights(self) -> "RankZeroWeights":
+        return RankZeroWeights(self)
 
     def save(self, path: str, client_state: dict) -> None:
         self._all("save", path, client_state)
@@ -222,4 +234,4 @@ class TrainerGroup(TrainingEngine):
         return hashlib.sha256("".join(self._all("state_digest")).encode()).hexdigest()
 
     def close(self) -> None:
-        self.job.close()
+        self.job.release()

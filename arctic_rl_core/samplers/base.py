@@ -19,8 +19,8 @@ class Sampler(ABC):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int) -> list[Completion]: ...
 
     @abstractmethod
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Replace the sampler's weights; return the number of tensors loaded.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Replace the sampler's weights with weight version `version`; return the number of tensors loaded.
 
         Each tensor is valid only until the next one is drawn from `weights`: copy it, don't keep it.
         """

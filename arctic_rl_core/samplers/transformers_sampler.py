@@ -94,7 +94,7 @@ class TransformersSampler(Sampler):
         return scores
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         params = dict(self.model.named_parameters())
         loaded = set()
         for name, tensor in weights:

@@ -189,7 +189,7 @@ class VLLMSampler(Sampler):
             raise ArcticRLError(f"sync_weights: the trainer sent no {sorted(set(self._direct) - written)[:5]}")
         return len(written)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         if self._direct is not None and not self._direct_checked:
             weights = list(weights)  # references; copies only where the engine gathers (ZeRO-3, LoRA)
             self._check_direct(weights)

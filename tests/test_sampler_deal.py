@@ -1,0 +1,86 @@
+"""How a sampler pool deals a call's prompts to replicas (no Ray needed), and the backend's sampler lock."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from arctic_rl_core.backend import SharedLock
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.samplers.sampler_pool import SamplerPool, SamplerReplicaFailed, _Slot
+
+
+def pool(replicas: int, queued: list[int] | None = None) -> SamplerPool:
+    p = object.__new__(SamplerPool)
+    p.config = BackendConfig(model_path="unused", ray={"start_timeout_s": 1})
+    p._changed = threading.Condition()
+    p._slots = [_Slot(i) for i in range(replicas)]
+    for slot, tokens in zip(p._slots, queued or [0] * replicas):
+        slot.healthy, slot.queued_tokens = True, tokens
+    return p
+
+
+def test_copies_of_a_prompt_form_one_unit_costed_once_for_the_prompt():
+    prompts = [[1, 2, 3], [4, 5], [1, 2, 3], [6], [1, 2, 3]]
+    units = SamplerPool._by_prompt(prompts, lambda ix: len(prompts[ix[0]]) + len(ix) * 2 * 10)
+    assert sorted(units) == [(21, [3]), (22, [1]), (63, [0, 2, 4])]
+
+
+def test_units_go_largest_first_to_the_replica_with_fewest_queued_tokens():
+    p = pool(2, queued=[50, 0])
+    dealt = p._deal([(60, [0]), (30, [1]), (25, [2]), (10, [3])])
+    # 60 -> replica 1 (0 queued); 30 -> replica 0 (50 < 60); 25 -> replica 1 (60 < 80); 10 -> replica 0 (80 < 85)
+    assert {i: [ix for _, ix in units] for i, units in dealt.items()} == {1: [[0], [2]], 0: [[1], [3]]}
+    assert [s.queued_tokens for s in p._slots] == [90, 85]
+
+
+def test_a_dead_replica_gets_nothing():
+    p = pool(3)
+    p._slots[1].healthy = False
+    dealt = p._deal([(5, [i]) for i in range(6)])
+    assert set(dealt) == {0, 2} and sum(len(u) for u in dealt.values()) == 6
+
+
+def test_with_no_live_replica_dealing_fails_after_the_start_timeout_naming_the_replicas():
+    p = pool(2)
+    for slot in p._slots:
+        slot.healthy, slot.error = False, "ActorDiedError"
+    with pytest.raises(SamplerReplicaFailed, match="no sampler replica is alive: 0: ActorDiedError"):
+        p._deal([(1, [0])])
+
+
+def test_shared_lock_sharers_overlap_and_a_waiting_exclusive_holder_goes_before_new_sharers():
+    lock, events = SharedLock(), []
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def sharer(name, hold=None):
+        with lock.shared():
+            events.append(f"{name} in")
+            if hold:
+                first_in.set()
+                hold.wait(5)
+            events.append(f"{name} out")
+
+    def exclusive():
+        with lock:
+            events.append("exclusive")
+
+    a = threading.Thread(target=sharer, args=("a", release_first))
+    a.start()
+    first_in.wait(5)
+    b = threading.Thread(target=sharer, args=("b",))
+    b.start()
+    b.join(5)  # a second sharer enters while the first holds the lock
+    x = threading.Thread(target=exclusive)
+    x.start()
+    time.sleep(0.2)
+    c = threading.Thread(target=sharer, args=("c",))
+    c.start()
+    time.sleep(0.2)
+    assert events == ["a in", "b in", "b out"]  # the exclusive holder waits for a; c waits behind it
+    release_first.set()
+    for t in (a, x, c):
+        t.join(5)
+    assert events == ["a in", "b in", "b out", "a out", "exclusive", "c in", "c out"]

@@ -1,0 +1,118 @@
+"""`sampler.replicas: 2`: two samplers as Ray actors behind the one API. After sync_weights every replica
+scores the trainer's log-probs; a replica killed mid-generate loses no request and is replaced at the
+current weight version; a placement the cluster cannot satisfy fails naming the setting."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from arctic_rl_core.backend import InProcessBackend
+from arctic_rl_core.errors import InvalidRequest
+
+pytestmark = pytest.mark.scenario
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [5, 6, 7, 8, 9], [20, 21, 22, 23], [5, 6, 7, 8, 9], [30, 31]]
+"""Prompt 0 three times (a GRPO group sent as copies), three other prompts."""
+
+
+def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
+
+
+def trained_and_synced(api: InProcessBackend) -> list[dict]:
+    """Generate, one GRPO step, sync: the sequences generated."""
+    out = api.generate(PROMPTS, {"n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 7})
+    seqs = [{"prompt_ids": PROMPTS[c.prompt_index], "response_ids": c.token_ids, "group_id": c.prompt_index % 3,
+             "advantages": [1.0 - (c.prompt_index % 2)] * len(c.token_ids), "behaviour_logprobs": c.logprobs}
+            for c in out]
+    api.fwd_bwd(seqs, "grpo")
+    api.step()
+    assert api.sync_weights() == 1
+    return seqs
+
+
+def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_after_sync(tiny_model):
+    api = InProcessBackend({
+        "model_path": tiny_model, "placement": "colocated",
+        "engine": {"ranks": 2, "zero_stage": 3, "learning_rate": 1e-2},
+        "sampler": {"name": "vllm", "replicas": 2, "kv_cache_mb": 64, "max_model_len": 256},
+        "ray": {"num_cpus": 2},  # rank i and replica i share bundle i: two CPUs hold all four actors
+    })
+    import ray
+
+    try:
+        out = api.generate(PROMPTS, {"n": 2, "max_tokens": 6, "seed": 1})
+        assert sorted(c.prompt_index for c in out) == sorted(list(range(len(PROMPTS))) * 2)
+        deal = api.sampler.last_deal
+        assert len(deal) == 2, deal  # both replicas worked
+        holder = [replica for replica, indexes in deal.items() if 0 in indexes]
+        assert len(holder) == 1 and {0, 2, 4} <= set(deal[holder[0]]), deal  # the copies of prompt 0 stayed together
+
+        seqs = trained_and_synced(api)
+        trainer = api.log_probs(seqs).logprobs
+        pairs = [(s["prompt_ids"], s["response_ids"]) for s in seqs]
+        for slot in api.sampler._slots:
+            assert max_gap(ray.get(slot.actor.score.remote(pairs)), trainer) < 1e-3
+        assert max_gap(api.log_probs(seqs, source="sampler").logprobs, trainer) < 1e-3
+        assert {c.weight_version for c in api.generate(PROMPTS[:2], {"max_tokens": 3})} == {1}
+
+        status = api.describe()
+        assert [(row["rank"], row["bundle"]) for row in status["trainer"]] == [(0, 0), (1, 1)]
+        assert [(row["replica"], row["bundle"], row["healthy"], row["weight_version"])
+                for row in status["sampler"]] == [(0, 0, True, 1), (1, 1, True, 1)]
+        assert len({row["pid"] for row in status["trainer"] + status["sampler"]}) == 4
+    finally:
+        api.close()
+    assert not ray.is_initialized()
+
+
+def test_a_replica_killed_mid_generate_loses_no_request_and_is_replaced_at_the_current_version(tiny_model):
+    import ray
+
+    api = InProcessBackend({"model_path": tiny_model, "engine": {"learning_rate": 1e-2},
+                            "sampler": {"name": "transformers", "replicas": 2}, "ray": {"num_cpus": 2}})
+    pool = api.sampler
+    try:
+        seqs = trained_and_synced(api)
+        victim = pool._slots[0]
+        first_pid = victim.facts["pid"]
+        prompts = [[3 + i, 40 + i, 7, 9 + i] for i in range(24)]
+        sampling = {"n": 2, "max_tokens": 48, "temperature": 1.0, "seed": 3}
+        calls = ThreadPoolExecutor(1)
+        answer = calls.submit(api.generate, prompts, sampling)
+        deadline = time.monotonic() + 60
+        while victim.queued_tokens == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # inside the replica's generate
+        ray.kill(victim.actor, no_restart=True)
+        out = answer.result(timeout=300)
+        calls.shutdown()
+        assert pool.redealt >= 1  # the kill interrupted work that was dealt again
+        counts = [sum(c.prompt_index == i for c in out) for i in range(len(prompts))]
+        assert counts == [2] * len(prompts)  # every request answered, none twice
+        assert {c.weight_version for c in out} == {1}
+
+        assert pool.wait_healthy(timeout=180)
+        rows = api.describe()["sampler"]
+        assert [(r["healthy"], r["weight_version"]) for r in rows] == [(True, 1), (True, 1)]
+        assert rows[0]["pid"] != first_pid and rows[0]["replacements"] == 1
+        # The replacement holds the synced weights, not the checkpoint's.
+        pairs = [(s["prompt_ids"], s["response_ids"]) for s in seqs]
+        assert max_gap(ray.get(victim.actor.score.remote(pairs)), api.log_probs(seqs).logprobs) < 1e-3
+    finally:
+        api.close()
+
+
+def test_a_sampler_pool_the_cluster_cannot_place_fails_at_start_naming_the_setting(tiny_model):
+    import ray
+
+    cfg = {"model_path": tiny_model, "placement": "disaggregated", "engine": {"ranks": 2},
+           "sampler": {"name": "transformers", "replicas": 2}, "ray": {"num_cpus": 3}}
+    with pytest.raises(InvalidRequest) as err:
+        InProcessBackend(cfg)
+    assert err.value.field == "sampler.replicas" and "2 CPU needed, the cluster has 3 (1 free)" in str(err.value)
+    assert not ray.is_initialized()  # nothing left: no actors, no placement groups, no local Ray
