@@ -17,7 +17,7 @@ import numpy as np
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.batching import build_micro_batches, require_fields, validate_sequences
 from arctic_rl_core.config import BackendConfig
-from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.validation import parse
 from arctic_rl_core.types import (
     CheckpointInfo,
@@ -315,13 +315,19 @@ class InProcessBackend(TrainingAPI):
         """The model's defining shape (for clients to check they use the same model), and counters."""
         from transformers import AutoConfig
 
+        try:
+            steps, trainer_error = self.engine.steps, None
+        except ArcticRLError as err:  # a trainer group that lost a rank: status still answers, and says so
+            steps, trainer_error = None, str(err)
         return {
             "model": model_shape(AutoConfig.from_pretrained(self.config.model_path).to_dict()),
-            "optimizer_steps": self.engine.steps,
+            "optimizer_steps": steps,
+            **({"trainer_error": trainer_error} if trainer_error else {}),
             "weight_version": self._weight_version,
             "generated": dict(self.generated),
             "sync_route": self.sampler.sync_route,
-            "trainer": getattr(self.engine, "placement", [{"rank": 0, "node": "driver", "pid": os.getpid()}]),
+            "trainer": getattr(self.engine, "placement",
+                               [{"rank": 0, "node": "driver", "pid": os.getpid(), "healthy": True}]),
             "sampler": (self.sampler.describe() if hasattr(self.sampler, "describe") else
                         [{"replica": 0, "node": "driver", "pid": os.getpid(), "healthy": True,
                           "weight_version": self._weight_version}]),

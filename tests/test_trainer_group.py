@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from arctic_rl_core.backend import InProcessBackend
+from arctic_rl_core.engines.trainer_group import TrainerRankFailed
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.types import Sequence
 
@@ -106,3 +107,33 @@ def test_more_ranks_than_the_cluster_can_place_fail_at_start_naming_the_setting(
         InProcessBackend(cfg)
     assert err.value.field == "engine.ranks" and "64 CPU needed, the cluster has 2" in str(err.value)
     assert not ray.is_initialized()  # the job's local Ray was stopped: no actors or placement groups left
+
+
+def test_a_rank_that_died_fails_the_call_saying_so_and_the_job_resumes_from_its_checkpoint(tiny_model, tmp_path):
+    import ray
+
+    seqs, path = unequal_groups(), str(tmp_path / "ckpt")
+    api = InProcessBackend(config(tiny_model, 2, 2))
+    try:
+        api.fwd_bwd(seqs, "grpo")
+        api.step()
+        api.save_checkpoint(path)
+        saved = api.state_digest()
+        ray.kill(api.engine.actors[1], no_restart=True)
+        calls = ThreadPoolExecutor(1)  # rank 0 is left in a collective: the call must not wait for it
+        with pytest.raises(TrainerRankFailed, match="died.*load_checkpoint"):
+            calls.submit(api.fwd_bwd, seqs, "grpo").result(timeout=120)
+        calls.shutdown(wait=False)
+        with pytest.raises(TrainerRankFailed):
+            api.step()  # the group refuses every later call at once
+        status = api.describe()
+        assert status["optimizer_steps"] is None and "died" in status["trainer_error"]
+        assert [row["healthy"] for row in status["trainer"]] == [False, False]
+    finally:
+        api.close()
+    fresh = InProcessBackend(config(tiny_model, 2, 2))
+    try:
+        info = fresh.load_checkpoint(path)
+        assert info.step == 1 and fresh.state_digest() == saved
+    finally:
+        fresh.close()

@@ -136,6 +136,8 @@ class TrainerGroup(TrainingEngine):
         self.ranks = config.engine.ranks
         self.bucket_bytes = config.engine.weight_bucket_mb * 2**20
         self.job = RayJob.acquire(config)
+        self.failed: str | None = None
+        """Why the group cannot take calls any more (a rank died or failed)."""
         try:
             layout = self.job.layout(config)
             payload = config.model_dump(mode="json")
@@ -149,29 +151,43 @@ class TrainerGroup(TrainingEngine):
         first = facts[0]
         self.max_context, self.vocab_size = first["max_context"], first["vocab_size"]
         self.pad_token_id, self.zorro_loaded = first["pad_token_id"], first["zorro_loaded"]
-        self.placement = [{"rank": r, "node": f["node"], "pid": f["pid"], "bundle": b}
-                          for (r, f), b in zip(enumerate(facts), layout.where["trainer"])]
+        self._where = [{"rank": r, "node": f["node"], "pid": f["pid"], "bundle": b}
+                       for (r, f), b in zip(enumerate(facts), layout.where["trainer"])]
         self.last_plan: RankPlan | None = None
         """The plan of the last fwd_bwd or log_probs: which micro-batches each rank ran."""
+
+    @property
+    def placement(self) -> list[dict]:
+        """Every rank: where it runs and whether the group can still take calls."""
+        return [{**row, "healthy": self.failed is None} for row in self._where]
 
     # -- calls to every rank ---------------------------------------------------------------------
 
     def _wait(self, refs: list) -> list:
+        """The ranks' results in order. The first failure is raised at once: a rank that died leaves the others
+        blocked in a collective, so the group is marked failed and refuses every later call."""
         import ray
         from ray.exceptions import RayActorError, RayError, RayTaskError
 
+        if self.failed:
+            raise TrainerRankFailed(self.failed)
+        pending = list(refs)
         try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                ray.get(ready)
             return ray.get(refs)
         except RayTaskError as err:
             cause = getattr(err, "cause", None)
             if isinstance(cause, ArcticRLError):  # a refusal (InvalidRequest ...) raised on the ranks
                 raise cause from None
-            raise TrainerRankFailed(f"a trainer rank failed: {err}") from None
+            self.failed = f"a trainer rank failed: {err}"
         except RayActorError as err:
-            raise TrainerRankFailed(f"a trainer rank died ({err}); the call was not applied. Start a new job and "
-                                    f"load_checkpoint to resume from the last checkpoint") from None
+            self.failed = (f"a trainer rank died ({type(err).__name__}); the call was not applied and the group "
+                           "cannot continue: start a new job and load_checkpoint to resume from the last checkpoint")
         except RayError as err:
-            raise TrainerRankFailed(f"a trainer rank failed: {err}") from None
+            self.failed = f"a trainer rank failed: {err}"
+        raise TrainerRankFailed(self.failed)
 
     def _all(self, method: str, *args) -> list:
         return self._wait([getattr(actor, method).remote(*args) for actor in self.actors])

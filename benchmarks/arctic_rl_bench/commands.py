@@ -13,6 +13,7 @@ BENCHMARKS = {
     "zorro": "fwd_bwd and log_probs with ZoRRo off vs on",
     "server": "HTTP round-trip latency, payload throughput and fwd_bwd request overhead over loopback",
     "sync": "sync_weights time and GB/s per path and model size, beside memcpy",
+    "scale": "generate with 1 vs 2 sampler replicas, fwd_bwd with 1 vs 2 trainer ranks, the driver's per-call overhead",
     "e2e": "seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async",
 }
 
