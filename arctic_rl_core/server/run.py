@@ -33,6 +33,13 @@ def build_server(settings: ServerSettings, config: BackendConfig | None = None, 
     return server
 
 
+def close_job(server: uvicorn.Server) -> None:
+    """Stop what the server's job started outside this process (Ray actors of ranks and replicas)."""
+    close = getattr(server.config.app.state.job.api, "close", None)
+    if close is not None:
+        close()
+
+
 class ServerThread:
     """A server on a background thread (tests, benchmarks): `with ServerThread(settings) as url: ...`."""
 
@@ -57,6 +64,7 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        close_job(self.server)
 
 
 def main(args) -> int:
@@ -80,5 +88,8 @@ def main(args) -> int:
     server = build_server(settings, config)
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)
-    server.run()
+    try:
+        server.run()
+    finally:
+        close_job(server)
     return 0

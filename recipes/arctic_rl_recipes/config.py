@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from arctic_rl_core.config import EngineConfig, SamplerConfig, ZorroConfig
+from arctic_rl_core.config import EngineConfig, RaySettings, SamplerConfig, ZorroConfig
 from arctic_rl_core.errors import InvalidRequest, field_path
 from arctic_rl_recipes.multihop.task import MultihopConfig
 from arctic_rl_recipes.text2sql.task import Text2SQLConfig
@@ -47,6 +47,9 @@ class BackendSection(_Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     zorro: ZorroConfig = Field(default_factory=ZorroConfig)
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """With engine.ranks > 1 and sampler.replicas > 1 (docs/placement.md)."""
+    ray: RaySettings = Field(default_factory=RaySettings)
 
 
 class DataSection(_Section):

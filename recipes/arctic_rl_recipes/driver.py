@@ -165,7 +165,7 @@ class RecipeRun:
     def backend_config(self) -> dict:
         b = self.config.backend
         return {"model_path": self.model_path, "engine": b.engine.model_dump(), "sampler": b.sampler.model_dump(),
-                "zorro": b.zorro.model_dump()}
+                "zorro": b.zorro.model_dump(), "placement": b.placement, "ray": b.ray.model_dump()}
 
     def connect(self) -> TrainingAPI:
         b = self.config.backend
@@ -186,6 +186,8 @@ class RecipeRun:
     def close(self) -> None:
         if self.rewards is not None:
             self.rewards.close()
+        if self.api is not None and self.config.backend.url is None:
+            self.api.close()  # an embedded backend's Ray actors stop with the run
 
     # -- phases ----------------------------------------------------------------------------------------
 
