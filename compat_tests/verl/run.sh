@@ -20,4 +20,8 @@ fi
 # then the adapter's own distribution, both regular installs (Hydra finds the adapter's search-path plugin).
 "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/verl
 "$VENV/bin/python" -m pip install --quiet . ./adapters/verl
-ARCTIC_RL_MAIN_PYTHON="$PWD/.venv/bin/python" "$VENV/bin/python" -m pytest -q -p no:cacheprovider compat_tests/verl "$@"
+export ARCTIC_RL_MAIN_PYTHON="$PWD/.venv/bin/python"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider compat_tests/verl "$@"
+# The same verl runs against a 2-rank, 2-replica job: only the server's configuration differs.
+ARCTIC_RL_COMPAT_JOB=distributed "$VENV/bin/python" -m pytest -q -p no:cacheprovider compat_tests/verl \
+  -k "main_ppo_grpo_steps_run_on_arctic_rl or through_arctic_rl" "$@"

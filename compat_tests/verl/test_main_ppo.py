@@ -65,6 +65,10 @@ def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_pa
     assert proc.returncode == 0, log[-6000:]
 
     after = client.status()["backend"]
+    # The job verl talked to: one process, or 2 trainer ranks and 2 sampler replicas (ARCTIC_RL_COMPAT_JOB).
+    actors = 2 if os.environ.get("ARCTIC_RL_COMPAT_JOB") == "distributed" else 1
+    assert len(after["trainer"]) == len(after["sampler"]) == actors
+    assert all(row["healthy"] for row in after["trainer"] + after["sampler"])
     # Generation came from Arctic RL's sampler: 16 prompts x n=4 per step went through its generate.
     assert after["generated"]["completions"] - before["generated"]["completions"] >= STEPS * 4 * 4
     # The trainer's weights changed and were synced into the sampler at start and after each step.
