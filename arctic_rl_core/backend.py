@@ -180,8 +180,7 @@ class InProcessBackend(TrainingAPI):
         bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
-        shared = getattr(self.sampler, "concurrent_generate", False)
-        with self._sampler_lock.shared() if shared else self._sampler_lock:
+        with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
             completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version)
         with self._counters_lock:
             self.generated["calls"] += 1
@@ -198,8 +197,7 @@ class InProcessBackend(TrainingAPI):
             if with_entropy or temperature != 1.0:
                 raise InvalidRequest("with_entropy" if with_entropy else "temperature",
                                      "the sampler scores plain log-probs only (temperature 1, no entropy)")
-            shared = getattr(self.sampler, "concurrent_generate", False)
-            with self._sampler_lock.shared() if shared else self._sampler_lock:
+            with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
                 scores = self.sampler.score([(token_list(s.prompt_ids), token_list(s.response_ids)) for s in seqs])
             return LogProbsResult(logprobs=scores, weight_version=self._weight_version)
         if source != "trainer":

@@ -14,6 +14,8 @@ class Sampler(ABC):
     max_context: int
     sync_route: str
     """How `load_weights` moves weights (reported by `status`)."""
+    concurrent_generate: bool = False
+    """Whether `generate` and `score` may run from several threads at once (a pool of replicas may)."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int) -> list[Completion]: ...

@@ -1,5 +1,5 @@
 """`arctic-rl bench scale`: generate throughput with 1 vs 2 sampler replicas, fwd_bwd time with 1 vs 2
-trainer ranks, and what the Ray driver adds to a tiny call over the single-process path.
+trainer ranks, what the Ray driver adds to a tiny call over the single-process path, and sync_weights.
 
 Each job runs in its own process (one backend, one Ray per process), on the same tiny model, side by side
 in one run; every number is a median over repeats.
@@ -62,8 +62,9 @@ def worker(model_dir: str, ranks: int, replicas: int, repeats: int) -> dict:
 
         tiny_fwd_bwd_s, _ = median_seconds(tiny_fwd_bwd, repeats * 4)
         tiny_generate_s, _ = median_seconds(lambda: api.generate([[5, 6, 7]], {"max_tokens": 1}), repeats * 4)
+        sync_s, _ = median_seconds(api.sync_weights, repeats)
         return {"generate_s": generate_s, "generate_tokens_per_s": tokens / generate_s, "fwd_bwd_s": fwd_bwd_s,
-                "tiny_fwd_bwd_s": tiny_fwd_bwd_s, "tiny_generate_s": tiny_generate_s}
+                "tiny_fwd_bwd_s": tiny_fwd_bwd_s, "tiny_generate_s": tiny_generate_s, "sync_s": sync_s}
     finally:
         api.close()
 
@@ -100,7 +101,8 @@ def main(args) -> int:
               f"x{base['generate_s'] / r['generate_s']:.2f})  fwd_bwd {r['fwd_bwd_s']:.3f} s "
               f"(x{base['fwd_bwd_s'] / r['fwd_bwd_s']:.2f})  tiny fwd_bwd {r['tiny_fwd_bwd_s'] * 1e3:.1f} ms "
               f"(+{(r['tiny_fwd_bwd_s'] - base['tiny_fwd_bwd_s']) * 1e3:.1f})  tiny generate "
-              f"{r['tiny_generate_s'] * 1e3:.1f} ms (+{(r['tiny_generate_s'] - base['tiny_generate_s']) * 1e3:.1f})")
+              f"{r['tiny_generate_s'] * 1e3:.1f} ms (+{(r['tiny_generate_s'] - base['tiny_generate_s']) * 1e3:.1f})  "
+              f"sync_weights {r['sync_s'] * 1e3:.0f} ms")
     return 0
 
 
