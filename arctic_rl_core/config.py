@@ -83,9 +83,10 @@ class SamplerConfig(_Config):
     """vLLM's engine in this process (colocated), or in its own process (disaggregated)."""
     sync: Literal["shared_memory", "broadcast", "file"] = "shared_memory"
     """How `sync_weights` moves weights. `shared_memory`: in process, the trainer's tensors are handed over;
-    to a vLLM subprocess on a CPU host, buckets go through two shared-memory slots. `broadcast`: a bucketed
-    torch.distributed broadcast (gloo on CPU, NCCL on GPU) to an engine in another process or machine.
-    `file`: safetensors files."""
+    to a vLLM subprocess on a CPU host, buckets go through two shared-memory slots; to replicas, buckets go
+    through Ray's object store. `broadcast`: a bucketed torch.distributed broadcast (gloo on CPU, NCCL on GPU)
+    to an engine in another process or machine, or from trainer rank 0 to every replica. `file`: safetensors
+    files (one sampler only)."""
     sync_dir: str | None = None
     """Where the file path writes (default: a temporary directory)."""
     sync_host: str = "127.0.0.1"

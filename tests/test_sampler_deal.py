@@ -18,7 +18,7 @@ def pool(replicas: int, queued: list[int] | None = None) -> SamplerPool:
     p._changed = threading.Condition()
     p._slots = [_Slot(i) for i in range(replicas)]
     for slot, tokens in zip(p._slots, queued or [0] * replicas):
-        slot.healthy, slot.queued_tokens = True, tokens
+        slot.state, slot.queued_tokens = "ready", tokens
     return p
 
 
@@ -36,9 +36,9 @@ def test_units_go_largest_first_to_the_replica_with_fewest_queued_tokens():
     assert [s.queued_tokens for s in p._slots] == [90, 85]
 
 
-def test_a_dead_replica_gets_nothing():
+def test_a_replica_that_is_not_ready_gets_nothing():
     p = pool(3)
-    p._slots[1].healthy = False
+    p._slots[1].state = "stale"  # alive, but a sync failed part-way
     dealt = p._deal([(5, [i]) for i in range(6)])
     assert set(dealt) == {0, 2} and sum(len(u) for u in dealt.values()) == 6
 
@@ -46,8 +46,8 @@ def test_a_dead_replica_gets_nothing():
 def test_with_no_live_replica_dealing_fails_after_the_start_timeout_naming_the_replicas():
     p = pool(2)
     for slot in p._slots:
-        slot.healthy, slot.error = False, "ActorDiedError"
-    with pytest.raises(SamplerReplicaFailed, match="no sampler replica is alive: 0: ActorDiedError"):
+        slot.state, slot.error = "replacing", "ActorDiedError"
+    with pytest.raises(SamplerReplicaFailed, match=r"no sampler replica is ready: 0: replacing \(ActorDiedError\)"):
         p._deal([(1, [0])])
 
 

@@ -35,11 +35,12 @@ def trained_and_synced(api: InProcessBackend) -> list[dict]:
     return seqs
 
 
-def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_after_sync(tiny_model):
+@pytest.mark.parametrize("sync", ["shared_memory", "broadcast"])  # object store; gloo group from trainer rank 0
+def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_after_sync(tiny_model, sync):
     api = InProcessBackend({
         "model_path": tiny_model, "placement": "colocated",
         "engine": {"ranks": 2, "zero_stage": 3, "learning_rate": 1e-2},
-        "sampler": {"name": "vllm", "replicas": 2, "kv_cache_mb": 64, "max_model_len": 256},
+        "sampler": {"name": "vllm", "replicas": 2, "kv_cache_mb": 64, "max_model_len": 256, "sync": sync},
         "ray": {"num_cpus": 2},  # rank i and replica i share bundle i: two CPUs hold all four actors
     })
     import ray
@@ -53,6 +54,7 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
         assert len(holder) == 1 and {0, 2, 4} <= set(deal[holder[0]]), deal  # the copies of prompt 0 stayed together
 
         seqs = trained_and_synced(api)
+        assert api.describe()["sync_route"].startswith({"shared_memory": "object_store", "broadcast": "broadcast"}[sync])
         trainer = api.log_probs(seqs).logprobs
         pairs = [(s["prompt_ids"], s["response_ids"]) for s in seqs]
         for slot in api.sampler._slots:
@@ -70,11 +72,12 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
     assert not ray.is_initialized()
 
 
-def test_a_replica_killed_mid_generate_loses_no_request_and_is_replaced_at_the_current_version(tiny_model):
+@pytest.mark.parametrize("sync", ["shared_memory", "broadcast"])  # replaced from the object store; from a peer
+def test_a_replica_killed_mid_generate_loses_no_request_and_is_replaced_at_the_current_version(tiny_model, sync):
     import ray
 
     api = InProcessBackend({"model_path": tiny_model, "engine": {"learning_rate": 1e-2},
-                            "sampler": {"name": "transformers", "replicas": 2}, "ray": {"num_cpus": 2}})
+                            "sampler": {"name": "transformers", "replicas": 2, "sync": sync}, "ray": {"num_cpus": 2}})
     pool = api.sampler
     try:
         seqs = trained_and_synced(api)
@@ -98,11 +101,18 @@ def test_a_replica_killed_mid_generate_loses_no_request_and_is_replaced_at_the_c
 
         assert pool.wait_healthy(timeout=180)
         rows = api.describe()["sampler"]
-        assert [(r["healthy"], r["weight_version"]) for r in rows] == [(True, 1), (True, 1)]
+        assert [(r["state"], r["weight_version"]) for r in rows] == [("ready", 1), ("ready", 1)]
         assert rows[0]["pid"] != first_pid and rows[0]["replacements"] == 1
         # The replacement holds the synced weights, not the checkpoint's.
         pairs = [(s["prompt_ids"], s["response_ids"]) for s in seqs]
         assert max_gap(ray.get(victim.actor.score.remote(pairs)), api.log_probs(seqs).logprobs) < 1e-3
+        # The next sync reaches the replacement too (on the broadcast route: a group formed again).
+        api.fwd_bwd(seqs, "grpo")
+        api.step()
+        assert api.sync_weights() == 2
+        trainer = api.log_probs(seqs).logprobs
+        for slot in pool._slots:
+            assert max_gap(ray.get(slot.actor.score.remote(pairs)), trainer) < 1e-3
     finally:
         api.close()
 

@@ -20,6 +20,13 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port() -> int:
+    """A port free on every interface of this machine (for a rendezvous other machines reach)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

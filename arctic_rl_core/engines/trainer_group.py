@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 from typing import Iterator
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.base import TrainingEngine
+from arctic_rl_core.engines.distributed import free_port
 from arctic_rl_core.engines.rank_plan import RankPlan, plan_ranks
 from arctic_rl_core.errors import ArcticRLError
 
@@ -47,9 +47,7 @@ class TrainerRank:
         return ray.util.get_node_ip_address()
 
     def rendezvous_address(self) -> tuple[str, int]:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return self._node(), s.getsockname()[1]
+        return self._node(), free_port()
 
     def start(self, master_addr: str, master_port: int) -> dict:
         # Ray gives each actor its own devices (CUDA_VISIBLE_DEVICES), so the local rank is 0.
@@ -92,6 +90,37 @@ class TrainerRank:
         self._weights = None
         return out, False
 
+    def join_sync_group(self, host: str, port: int, world: int, timeout_s: float, nccl: bool) -> None:
+        """Rank 0 only: become rank 0 (the source) of the sampler replicas' weight-sync group."""
+        from arctic_rl_core.samplers.vllm_worker import join_group
+
+        self._sync_group = None  # a previous group (before a replica was replaced) is left
+        self._sync_group, self._sync_store = join_group(host, port, 0, timeout_s, is_master=True, nccl=nccl,
+                                                        world_size=world)
+
+    def broadcast_weights(self, bucket_bytes: int) -> int:
+        """Every rank takes part in gathering full weights (ZeRO-3: bucket by bucket); rank 0 broadcasts them
+        to the replicas. A failed send does not stop rank 0 gathering: the ranks stay in step."""
+        from arctic_rl_core.samplers.vllm_worker import BucketSender
+
+        sender = BucketSender(self._sync_group, bucket_bytes, owner=self) if self.rank == 0 else None
+        failure, count = None, 0
+        for name, tensor in self.engine.named_full_weights():
+            count += 1
+            if sender is not None and failure is None:
+                try:
+                    sender.add(name, tensor)
+                except Exception as err:
+                    failure = err
+        if sender is not None and failure is None:
+            try:
+                sender.close()
+            except Exception as err:
+                failure = err
+        if failure is not None:
+            raise ArcticRLError(f"sync_weights: broadcasting to the sampler replicas failed: {failure}")
+        return count
+
     def save(self, path: str, client_state: dict) -> None:
         self.engine.save(path, client_state)
 
@@ -123,6 +152,17 @@ class RankZeroWeights:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for ref in self.bucket_refs():
             yield from self.group._wait([ref])[0]
+
+    # A sampler pool syncing by broadcast makes rank 0 the source of its group.
+    def sync_address(self) -> tuple[str, int]:
+        return self.group._wait([self.group.actors[0].rendezvous_address.remote()])[0]
+
+    def join_sync_group(self, host: str, port: int, world: int, timeout_s: float, nccl: bool):
+        """Rank 0 joins (as the group's master) while the replicas join; returns its pending call."""
+        return self.group.actors[0].join_sync_group.remote(host, port, world, timeout_s, nccl)
+
+    def broadcast(self, bucket_bytes: int) -> None:
+        self.group._all("broadcast_weights", bucket_bytes)
 
 
 class TrainerGroup(TrainingEngine):

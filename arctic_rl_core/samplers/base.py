@@ -27,6 +27,11 @@ class Sampler(ABC):
         Each tensor is valid only until the next one is drawn from `weights`: copy it, don't keep it.
         """
 
+    def held_weights(self) -> Iterable[tuple[str, torch.Tensor]] | None:
+        """The weights it holds, named as the trainer names them (a replaced replica of a pool loads a peer's);
+        None where it cannot give them."""
+        return None
+
     @abstractmethod
     def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Log-prob of each response token given its prompt and the tokens before it (temperature 1)."""

@@ -1,4 +1,4 @@
-"""`sampler.replicas: M`: M samplers as Ray actors, behind the one `Sampler` contract.
+"""`sampler.replicas: M`: M samplers as Ray actors (`replica.SamplerReplica`), behind the one `Sampler` contract.
 
 - `generate` deals prompts to replicas with group affinity: identical prompts
   (a GRPO group sent as n=1 copies) and a prompt's n samples go to one replica,
@@ -6,30 +6,33 @@
   replica with the fewest queued tokens (prompt once plus every sample's
   max_tokens), counting what concurrent calls already queued there.
   `score` (`log_probs(source="sampler")`) is dealt the same way.
-- `load_weights` streams buckets of the trainer's weights through Ray's object
-  store (shared memory between processes of one machine, Ray's transfer between
-  machines) to every replica at once; each replica loads them as they arrive and
-  reports its own weight version. The last sync's buckets stay in the object
-  store so that a replacement replica can be brought to the current version.
-- A replica that dies is replaced in its placement bundle, loaded with the
-  current weights, and the prompts it held are dealt again; what a dead replica
-  produced is never returned, so no request is lost or answered twice.
+- `load_weights` brings every replica to the new version, by `sampler.sync`:
+  `shared_memory`: buckets through Ray's object store (shared memory between
+  the processes of a machine, Ray's transfer between machines), the trainer
+  group's rank 0 putting them there itself; `broadcast`: a collective group of
+  the source (trainer rank 0, or the driver) and the replicas (gloo on CPU,
+  NCCL on GPUs).
+- A replica that dies is replaced in its placement bundle and brought to the
+  current version (the last sync's buckets, kept in the object store; on the
+  broadcast route a live peer's weights), and the prompts it held are dealt
+  again; what a dead replica produced is never returned, so no request is lost
+  or answered twice. A sync that fails part-way leaves the replicas it reached
+  `stale`: they take no work until the next sync completes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
-import time
 from typing import Iterable
 
 import torch
 
 from arctic_rl_core.config import BackendConfig
-from arctic_rl_core.errors import ArcticRLError
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.samplers.replica import SamplerReplica, node_address
+from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
 from arctic_rl_core.types import Completion, SamplingParams
 
 log = logging.getLogger("arctic_rl.sampler_pool")
@@ -39,98 +42,30 @@ _MAX_REPLACEMENTS_PER_CALL = 4
 
 
 class SamplerReplicaFailed(ArcticRLError):
-    """Sampler replicas kept dying during one call; the call was not answered."""
-
-
-def _node() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
-class SamplerReplica:
-    """One sampler (any registered `sampler.name`) in its own Ray actor."""
-
-    def __init__(self, config: dict, index: int):
-        from arctic_rl_core.plugins.manager import load_plugins
-
-        cfg = BackendConfig.model_validate(config)
-        cfg.sampler.replicas, cfg.sampler.placement = 1, "in_process"
-        self.index = index
-        self.sampler = load_plugins().sampler_factory(cfg.sampler.name)(cfg)
-        self.weight_version = 0
-        self._busy = threading.Lock()  # one engine call at a time: vLLM's LLM is not thread-safe
-        self._incoming: queue.Queue | None = None
-        self._loader: threading.Thread | None = None
-        self._loaded: tuple[int | None, BaseException | None] = (None, None)
-
-    def facts(self) -> dict:
-        return {"node": _node(), "pid": os.getpid(), "max_context": self.sampler.max_context,
-                "sync_route": self.sampler.sync_route}
-
-    def generate(self, prompts, sampling: SamplingParams) -> list[Completion]:
-        with self._busy:
-            return self.sampler.generate(prompts, sampling, self.weight_version)
-
-    def score(self, sequences):
-        with self._busy:
-            return self.sampler.score(sequences)
-
-    def sleep(self) -> None:
-        with self._busy:
-            self.sampler.sleep()
-
-    def wake_up(self) -> None:
-        with self._busy:
-            self.sampler.wake_up()
-
-    # A sync is begin_load, put_bucket per bucket, end_load: the sampler takes one iterator over all
-    # weights, which a thread here feeds from the buckets as they arrive.
-    def begin_load(self, version: int) -> None:
-        self._incoming, self._loading = queue.Queue(maxsize=1), version
-        self._loaded = (None, None)
-
-        def stream():
-            while (bucket := self._incoming.get()) is not None:
-                yield from bucket
-
-        def load():
-            try:
-                with self._busy:
-                    self._loaded = (self.sampler.load_weights(stream(), self._loading), None)
-            except BaseException as err:  # reported by end_load
-                self._loaded = (None, err)
-                while self._incoming.get() is not None:  # let the sender finish
-                    pass
-
-        self._loader = threading.Thread(target=load, name="arctic-rl-replica-load", daemon=True)
-        self._loader.start()
-
-    def put_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        self._incoming.put(bucket)  # waits while the loader holds the previous bucket
-
-    def end_load(self) -> int:
-        self._incoming.put(None)
-        self._loader.join()
-        count, err = self._loaded
-        if err is not None:
-            raise err
-        self.weight_version = self._loading
-        return count
+    """Sampler replicas died or failed; the call (or sync) was not completed."""
 
 
 class _Slot:
-    """A replica's place in the pool: its actor, its placement bundle's index, and what is queued on it."""
+    """A replica's place in the pool: its actor, its state, and what is queued on it.
+
+    States: `starting`; `ready` (takes work); `stale` (alive, but a sync failed part-way: waits for the
+    next); `replacing` (the actor died; a new one is starting); `failed` (could not be replaced)."""
 
     def __init__(self, index: int):
         self.index = index
         self.actor = None
         self.facts: dict = {}
+        self.state = "starting"
         self.weight_version = 0
         self.queued_tokens = 0
-        self.healthy = False
         self.replacements = 0
+        self.incarnation = 0
+        """Counts the actors started in this slot: a sync group is formed again when its members change."""
         self.error: str | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == "ready"
 
 
 Unit = tuple[int, list[int]]
@@ -144,22 +79,30 @@ class SamplerPool(Sampler):
         from arctic_rl_core.ray_job import RayJob
 
         sc = config.sampler
+        if sc.sync == "file":
+            raise InvalidRequest("sampler.sync", "a pool of replicas syncs by shared_memory (Ray's object store) "
+                                                 "or broadcast, not file")
         self.config = config
+        self.route = "broadcast" if sc.sync == "broadcast" else "object_store"
         self.bucket_bytes = int(sc.bucket_mb * 2**20)
         self.job = RayJob.acquire(config)
         self._slots = [_Slot(i) for i in range(sc.replicas)]
         self._changed = threading.Condition()
-        """Guards the slots' counters and health; notified when a replica becomes healthy."""
+        """Guards the slots' states and counters; notified when a slot's state changes."""
         self._sync_lock = threading.Lock()
         """Held by a sync and by a replacement's load, so a replacement never ends a version behind."""
-        self._last_sync: tuple[int, list] = (0, [])
-        """(version, object-store refs of its buckets): what a replacement replica loads."""
+        self._version = 0
+        self._last_sync: list = []
+        """Object-store route: refs of the last sync's buckets, what a replacement replica loads."""
+        self._group = None
+        """Broadcast route: (members, this process's group or None where trainer rank 0 is the source)."""
         self.last_deal: dict[int, list[int]] = {}
         """Which prompts (or sequences) of the last call each replica answered."""
         self.redealt = 0
         """Shares dealt again because their replica died during a call."""
         try:
             self._layout = self.job.layout(config)
+            self.cuda = self.job.accelerator() == "GPU"
             for slot in self._slots:
                 self._start(slot)
             for slot in self._slots:
@@ -169,11 +112,17 @@ class SamplerPool(Sampler):
             raise
         first = self._slots[0].facts
         self.max_context = first["max_context"]
-        self.sync_route = f"object_store -> {first['sync_route']}"
+        self.sync_route = f"{self.route} -> {first['sync_route']}"
 
     # -- replicas --------------------------------------------------------------------------------
 
+    def _set(self, slot: _Slot, state: str, error: str | None = None) -> None:
+        with self._changed:
+            slot.state, slot.error = state, error
+            self._changed.notify_all()
+
     def _start(self, slot: _Slot) -> None:
+        slot.incarnation += 1
         slot.actor = self.job.actor(SamplerReplica, self.config.model_dump(mode="json"), slot.index,
                                     max_concurrency=4, **self._layout.sampler[slot.index])
 
@@ -181,17 +130,15 @@ class SamplerPool(Sampler):
         import ray
 
         slot.facts = ray.get(slot.actor.facts.remote(), timeout=self.config.ray.start_timeout_s)
-        with self._changed:
-            slot.healthy, slot.error = True, None
-            self._changed.notify_all()
+        self._set(slot, "ready")
 
     def _lost(self, slot: _Slot, actor, reason: str) -> None:
         """`actor` (the slot's replica when the failure was seen) died: replace it in the background,
         once, however many calls saw it die."""
         with self._changed:
-            if slot.actor is not actor or not slot.healthy:
+            if slot.actor is not actor or slot.state in ("replacing", "failed"):
                 return
-            slot.healthy, slot.error = False, reason
+            slot.state, slot.error = "replacing", reason
         log.warning("sampler replica %d died (%s): replacing it", slot.index, reason)
         threading.Thread(target=self._replace, args=(slot, actor), name=f"arctic-rl-replace-{slot.index}",
                          daemon=True).start()
@@ -204,34 +151,48 @@ class SamplerPool(Sampler):
             self._start(slot)
             slot.facts = ray.get(slot.actor.facts.remote(), timeout=self.config.ray.start_timeout_s)
             with self._sync_lock:
-                version, refs = self._last_sync
-                if refs:
-                    self._send([slot], refs, version)
-                slot.weight_version = version
+                state, error = self._catch_up(slot)
         except Exception as err:
             log.error("sampler replica %d could not be replaced: %s", slot.index, err)
-            slot.error = f"replacement failed: {err}"
+            self._set(slot, "failed", f"replacement failed: {err}")
             return
         slot.replacements += 1
-        with self._changed:
-            slot.healthy, slot.error = True, None
-            self._changed.notify_all()
+        self._set(slot, state, error)
+
+    def _catch_up(self, slot: _Slot) -> tuple[str, str | None]:
+        """Bring a new replica to the pool's version: the last sync's buckets, or (broadcast route) a ready
+        peer's weights; where neither can be had it waits, stale, for the next sync."""
+        import ray
+
+        if self._version == 0:
+            return "ready", None  # the checkpoint's weights, which it loaded
+        refs = self._last_sync
+        if self.route == "broadcast":
+            self._group = None  # the group had the dead replica: formed again at the next sync
+            peer = next((s for s in self._slots if s.healthy and s.weight_version == self._version), None)
+            held = ray.get(peer.actor.export_weights.remote()) if peer is not None else None
+            refs = [ray.put(held)] if held is not None else []
+        if not refs:
+            return "stale", "waits for the next sync_weights (no peer could give the current weights)"
+        self._send_object_store([slot], refs, self._version)
+        slot.weight_version = self._version
+        return "ready", None
 
     def wait_healthy(self, timeout: float) -> bool:
-        """Whether every replica is healthy within `timeout` seconds (replacements take a replica's start-up)."""
+        """Whether every replica is ready within `timeout` seconds (a replacement takes a replica's start-up)."""
         with self._changed:
             return self._changed.wait_for(lambda: all(s.healthy for s in self._slots), timeout)
 
     # -- dealing work ----------------------------------------------------------------------------
 
     def _deal(self, units: list[Unit]) -> dict[int, list[Unit]]:
-        """Units onto healthy replicas, largest first onto the fewest queued tokens; waits (up to the start
-        timeout) for a replacement when none is healthy."""
+        """Units onto ready replicas, largest first onto the fewest queued tokens; waits (up to the start
+        timeout) for a replacement when none is ready."""
         with self._changed:
             if not self._changed.wait_for(lambda: any(s.healthy for s in self._slots),
                                           self.config.ray.start_timeout_s):
-                raise SamplerReplicaFailed("no sampler replica is alive: "
-                                           + "; ".join(f"{s.index}: {s.error}" for s in self._slots))
+                raise SamplerReplicaFailed("no sampler replica is ready: "
+                                           + "; ".join(f"{s.index}: {s.state} ({s.error})" for s in self._slots))
             live = [s for s in self._slots if s.healthy]
             dealt: dict[int, list[Unit]] = {}
             for unit in sorted(units, key=lambda u: -u[0]):
@@ -243,10 +204,10 @@ class SamplerPool(Sampler):
     def _run(self, units: list[Unit], call) -> list[tuple[list[int], object]]:
         """`call(actor, indexes)` on each replica's share, gathered as (indexes, result). The share of a replica
         that dies is dealt again to the live ones at once; nothing a dead replica produced is returned."""
-        deal: dict[int, list[int]] = {}
         import ray
         from ray.exceptions import RayActorError
 
+        deal: dict[int, list[int]] = {}
         answered, lost = [], 0
         outstanding: dict = {}
 
@@ -304,16 +265,34 @@ class SamplerPool(Sampler):
         return scores
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Every healthy replica loads the same buckets. A replica that refuses them fails the sync (the
-        others hold the new weights; the next sync brings every replica to one version again); one that dies
-        is replaced at this version."""
+        """Every live replica (ready or stale) loads the new weights. A sync that fails part-way leaves the
+        replicas it reached stale and raises; one that completes makes them ready at `version`."""
         with self._sync_lock:
-            refs = list(self._buckets(weights))
-            loaded = self._send([s for s in self._slots if s.healthy], refs, version)
-            self._last_sync = (version, refs)  # the previous sync's buckets are released here
+            with self._changed:
+                slots = [s for s in self._slots if s.state in ("ready", "stale")]
+            if not slots:
+                raise SamplerReplicaFailed("no live sampler replica to sync: "
+                                           + "; ".join(f"{s.index}: {s.state}" for s in self._slots))
+            try:
+                if self.route == "broadcast":
+                    loaded = self._send_broadcast(slots, weights, version)
+                else:
+                    refs = list(self._buckets(weights))
+                    loaded = self._send_object_store(slots, refs, version)
+                    self._last_sync = refs  # the previous sync's buckets are released here
+            except Exception as err:
+                self._group = None
+                for slot in self._alive(slots):
+                    self._set(slot, "stale", f"a sync_weights failed part-way: {err}")
+                raise SamplerReplicaFailed(f"sync_weights did not reach every replica ({err}); the replicas it "
+                                           "reached wait for the next sync_weights") from err
+            self._version = version
             for slot, _ in loaded:
                 slot.weight_version = version
+                self._set(slot, "ready")
             return loaded[0][1]
+
+    # -- the object-store route ------------------------------------------------------------------
 
     def _buckets(self, weights) -> Iterable:
         """Object-store refs of the weights in buckets: the trainer group's own refs where it has them
@@ -334,7 +313,7 @@ class SamplerPool(Sampler):
         if bucket:
             yield ray.put(bucket)
 
-    def _send(self, slots: list[_Slot], refs: list, version: int) -> list[tuple[_Slot, int]]:
+    def _send_object_store(self, slots: list[_Slot], refs: list, version: int) -> list[tuple[_Slot, int]]:
         """The buckets `refs` to every slot's replica; (slot, tensors loaded) for each that survived."""
         slots = self._each(slots, "begin_load", version)
         for ref in refs:  # bucket by bucket: each replica holds at most two at a time
@@ -361,6 +340,51 @@ class SamplerPool(Sampler):
     def _each(self, slots: list[_Slot], method: str, *args) -> list[_Slot]:
         return [slot for slot, _ in self._each_result(slots, method, *args)]
 
+    def _alive(self, slots: list[_Slot]) -> list[_Slot]:
+        """The slots whose replica answers; the others are replaced."""
+        return self._each(slots, "facts")
+
+    # -- the broadcast route ---------------------------------------------------------------------
+
+    def _send_broadcast(self, slots: list[_Slot], weights, version: int) -> list[tuple[_Slot, int]]:
+        """Rank 0 of the group (trainer rank 0, or this process) broadcasts buckets; every replica loads them
+        as they arrive. The group is formed again whenever its members changed."""
+        import ray
+
+        trainer = getattr(weights, "broadcast", None)
+        members = tuple((s.index, s.incarnation) for s in slots)
+        if self._group is None or self._group[0] != members:
+            self._group = (members, self._form_group(slots, weights))
+        receives = [s.actor.receive_broadcast.remote(version) for s in slots]
+        if trainer is not None:
+            trainer(self.bucket_bytes)
+        else:
+            sender = BucketSender(self._group[1], self.bucket_bytes, owner=self)
+            try:
+                for name, tensor in weights:
+                    sender.add(name, tensor)
+            finally:
+                sender.close()  # the replicas stop at the end marker even if the trainer side failed
+        return list(zip(slots, ray.get(receives, timeout=self.config.ray.start_timeout_s)))
+
+    def _form_group(self, slots: list[_Slot], weights):
+        import ray
+
+        from arctic_rl_core.engines.distributed import free_port
+
+        world, timeout = len(slots) + 1, self.config.ray.start_timeout_s
+        trainer_join = getattr(weights, "join_sync_group", None)
+        host, port = (weights.sync_address() if trainer_join is not None else (node_address(), free_port()))
+        joins = [s.actor.join_sync_group.remote(host, port, rank, world, timeout, self.cuda)
+                 for rank, s in enumerate(slots, start=1)]
+        if trainer_join is not None:
+            joins.append(trainer_join(host, port, world, timeout, self.cuda))
+            group = None
+        else:
+            group, self._store = join_group(host, port, 0, timeout, is_master=True, nccl=self.cuda, world_size=world)
+        ray.get(joins, timeout=timeout)
+        return group
+
     def sleep(self) -> None:
         import ray
 
@@ -374,8 +398,8 @@ class SamplerPool(Sampler):
     # -- status ----------------------------------------------------------------------------------
 
     def describe(self) -> list[dict]:
-        """Every replica: where it runs, whether it answers, its weight version and queued tokens. A replica
-        found dead here is replaced as if a call had seen it die."""
+        """Every replica: where it runs, its state, whether it answers, its weight version and queued tokens.
+        A replica found dead here is replaced as if a call had seen it die."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -391,7 +415,7 @@ class SamplerPool(Sampler):
                 except GetTimeoutError:
                     healthy = False
             rows.append({"replica": slot.index, "node": slot.facts.get("node"), "pid": slot.facts.get("pid"),
-                         "bundle": self._layout.where["sampler"][slot.index],
+                         "bundle": self._layout.where["sampler"][slot.index], "state": slot.state,
                          "healthy": healthy, "weight_version": slot.weight_version,
                          "queued_tokens": slot.queued_tokens, "replacements": slot.replacements,
                          **({"error": slot.error} if slot.error else {})})

@@ -94,6 +94,9 @@ class TransformersSampler(Sampler):
         return scores
 
     @torch.no_grad()
+    def held_weights(self):
+        return self.model.named_parameters()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         params = dict(self.model.named_parameters())
         loaded = set()

@@ -204,6 +204,10 @@ class VLLMSampler(Sampler):
         self.llm.reset_prefix_cache()
         return count
 
+    def held_weights(self):
+        # Views of vLLM's weights under the trainer's names: known once a sync has checked them.
+        return self._direct.items() if self._direct is not None and self._direct_checked else None
+
     def _sync_file(self, weights) -> int:
         from safetensors.torch import save_file
 

@@ -213,12 +213,13 @@ def receive_buckets(group, holder, copy: bool):
                 _acknowledge(group, received[0])
 
 
-def join_group(host: str, port: int, rank: int, timeout_s: float, is_master: bool, nccl: bool):
-    store = torch.distributed.TCPStore(host, port, world_size=2, is_master=is_master,
+def join_group(host: str, port: int, rank: int, timeout_s: float, is_master: bool, nccl: bool, world_size: int = 2):
+    """A process group of its own (not torch.distributed's default), rendezvous at the master's TCPStore."""
+    store = torch.distributed.TCPStore(host, port, world_size=world_size, is_master=is_master,
                                        timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     if nccl:
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2), store
-    return torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s)), store
+        return torch.distributed.ProcessGroupNCCL(store, rank, world_size), store
+    return torch.distributed.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s)), store
 
 
 class WeightSyncExtension:

@@ -1,0 +1,126 @@
+"""One sampler replica of a pool: any registered sampler, in its own Ray actor.
+
+Weights reach it by one of two routes (`sampler.sync`), both ending in one
+`load_weights` over an iterator, which the sampler writes in place where it can:
+- through Ray's object store (`begin_load`, `put_bucket` per bucket, `end_load`);
+- by broadcast in a collective group whose rank 0 is the trainer (or the driver)
+  and whose other members are the replicas (`join_sync_group`, `receive_broadcast`;
+  gloo on CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import torch
+
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.samplers.vllm_worker import join_group, receive_buckets
+from arctic_rl_core.types import Completion, SamplingParams
+
+
+def node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class SamplerReplica:
+    def __init__(self, config: dict, index: int):
+        from arctic_rl_core.plugins.manager import load_plugins
+
+        cfg = BackendConfig.model_validate(config)
+        # The replica itself receives the weights; its sampler takes them in this process.
+        cfg.sampler.replicas, cfg.sampler.placement, cfg.sampler.sync = 1, "in_process", "shared_memory"
+        self.index = index
+        self.sampler = load_plugins().sampler_factory(cfg.sampler.name)(cfg)
+        self.weight_version = 0
+        self._busy = threading.Lock()  # one engine call at a time: vLLM's LLM is not thread-safe
+        self._incoming: queue.Queue | None = None
+        self._loader: threading.Thread | None = None
+        self._loaded: tuple[int | None, BaseException | None] = (None, None)
+        self._loading = 0
+        self._group = None
+
+    def facts(self) -> dict:
+        return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
+                "sync_route": self.sampler.sync_route}
+
+    def generate(self, prompts, sampling: SamplingParams) -> list[Completion]:
+        with self._busy:
+            return self.sampler.generate(prompts, sampling, self.weight_version)
+
+    def score(self, sequences):
+        with self._busy:
+            return self.sampler.score(sequences)
+
+    def sleep(self) -> None:
+        with self._busy:
+            self.sampler.sleep()
+
+    def wake_up(self) -> None:
+        with self._busy:
+            self.sampler.wake_up()
+
+    def export_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """A copy of the weights it holds, in checkpoint naming, for a replacement peer; None where the
+        sampler cannot give them."""
+        with self._busy:
+            held = self.sampler.held_weights()
+            return None if held is None else [(name, tensor.detach().clone()) for name, tensor in held]
+
+    # -- through the object store ----------------------------------------------------------------
+
+    def begin_load(self, version: int) -> None:
+        """A thread feeds the sampler's one `load_weights` iterator from the buckets as they arrive."""
+        self._incoming, self._loading = queue.Queue(maxsize=1), version
+        self._loaded = (None, None)
+
+        def stream():
+            while (bucket := self._incoming.get()) is not None:
+                yield from bucket
+
+        def load():
+            try:
+                with self._busy:
+                    self._loaded = (self.sampler.load_weights(stream(), version), None)
+            except BaseException as err:  # reported by end_load
+                self._loaded = (None, err)
+                while self._incoming.get() is not None:  # let the sender finish
+                    pass
+
+        self._loader = threading.Thread(target=load, name="arctic-rl-replica-load", daemon=True)
+        self._loader.start()
+
+    def put_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        self._incoming.put(bucket)  # waits while the loader holds the previous bucket
+
+    def end_load(self) -> int:
+        self._incoming.put(None)
+        self._loader.join()
+        count, err = self._loaded
+        if err is not None:
+            raise err
+        self.weight_version = self._loading
+        return count
+
+    # -- by broadcast ----------------------------------------------------------------------------
+
+    def join_sync_group(self, host: str, port: int, rank: int, world: int, timeout_s: float, nccl: bool) -> None:
+        self._group = None  # a previous group (before a member was replaced) is left
+        self._group, self._store = join_group(host, port, rank, timeout_s, is_master=False, nccl=nccl,
+                                              world_size=world)
+
+    def receive_broadcast(self, version: int) -> int:
+        """Loads the source's buckets as they arrive until its end marker (drained after a failed load)."""
+        # Copies: a sampler may hold on to tensors across buckets (vLLM checks names and shapes on first sync).
+        buckets = receive_buckets(self._group, self, copy=True)
+        try:
+            with self._busy:
+                count = self.sampler.load_weights(buckets, version)
+        finally:
+            buckets.close()
+        self.weight_version = version
+        return count
