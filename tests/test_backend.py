@@ -70,6 +70,22 @@ def test_gradients_add_up_over_fwd_bwd_calls(make_backend, stage):
     assert norm_halves == pytest.approx(2 * norm_whole, rel=1e-5)
 
 
+def test_a_zero3_engine_leaves_other_models_of_the_process_whole(make_backend):
+    """ZeRO-3 partitions the trainer's model as it loads; the sampler's model, loaded next in the same process,
+    and the models of backends made later must stay whole (transformers' ZeRO-3 setting is process-wide)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    backend = make_backend(zero_stage=3)
+    assert not is_deepspeed_zero3_enabled()
+    assert all(p.numel() > 0 for p in backend.sampler.model.parameters())
+    [completion] = backend.generate([[5, 6, 7]], {"max_tokens": 4, "temperature": 0.0})
+    assert len(completion.token_ids) >= 1
+    batch = grpo_batch(groups=1, group_size=2)
+    backend.fwd_bwd(batch, "grpo")
+    backend.step()
+    assert backend.sync_weights() == 1
+
+
 def test_log_probs_with_entropy_and_temperature(make_backend):
     backend = make_backend()
     batch = grpo_batch(groups=1, group_size=2)

@@ -137,10 +137,13 @@ class DeepSpeedEngine(TrainingEngine):
 
         torch.manual_seed(ec.seed)
         ds_config = deepspeed_config(ec)
-        # Kept alive while the model loads: from_pretrained then partitions weights as it reads them (ZeRO-3).
-        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if ec.zero_stage == 3 else None
+        # Alive only while the model loads: from_pretrained then partitions weights as it reads them (ZeRO-3).
+        # transformers holds it as a process-wide setting, so kept longer it would partition every model loaded
+        # later in this process too (a transformers sampler's, another backend's).
+        zero3_loading = HfDeepSpeedConfig(ds_config) if ec.zero_stage == 3 else None
         model, self.zorro_loaded = load_causal_lm(config.model_path, hf_config, getattr(torch, ec.dtype),
                                                   ec.attn_implementation, zorro=self.zorro_loaded, required=want_zorro)
+        del zero3_loading
         if ec.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False
