@@ -32,6 +32,18 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> t
     return statistics.median(times), times
 
 
+def worker_main(worker: Callable[..., dict], *types: Callable[[str], object]) -> None:
+    """The `--worker` side of `run_worker`: `worker` on this process's arguments (each converted by its type),
+    its result printed as the last JSON line."""
+    from transformers.utils import logging as hf_logging
+
+    from arctic_rl_core.engines.distributed import select_accelerator
+
+    select_accelerator()
+    hf_logging.disable_progress_bar()
+    print(json.dumps(worker(*(convert(arg) for convert, arg in zip(types, sys.argv[2:], strict=True)))), flush=True)
+
+
 def run_worker(module: str, *args: str) -> dict:
     """Run `python -m module --worker args...` in a process of its own; return the JSON line it prints last.
 

@@ -12,23 +12,24 @@ import os
 import sys
 import tempfile
 
-JOBS = {  # name: (engine.ranks, sampler.replicas)
-    "single process": (1, 1),
-    "2 sampler replicas": (1, 2),
-    "2 trainer ranks": (2, 1),
+JOBS = {  # name: (engine.ranks, sampler.replicas, sampler.sync)
+    "single process": (1, 1, "shared_memory"),
+    "2 sampler replicas": (1, 2, "shared_memory"),
+    "2 replicas, broadcast": (1, 2, "broadcast"),
+    "2 trainer ranks": (2, 1, "shared_memory"),
 }
 GENERATE = {"prompts": 16, "n": 4, "prompt_tokens": 64, "max_tokens": 32}
 FWD_BWD = {"groups": 8, "group_size": 4, "prompt_tokens": 128, "response_tokens": 64}
 
 
-def worker(model_dir: str, ranks: int, replicas: int, repeats: int) -> dict:
+def worker(model_dir: str, ranks: int, replicas: int, sync: str, repeats: int) -> dict:
     import random
 
     from arctic_rl_core.backend import InProcessBackend
     from arctic_rl_bench.measure import median_seconds
 
     api = InProcessBackend({"model_path": model_dir, "engine": {"ranks": ranks, "zero_stage": 2},
-                            "sampler": {"name": "vllm", "replicas": replicas, "kv_cache_mb": 256},
+                            "sampler": {"name": "vllm", "replicas": replicas, "kv_cache_mb": 256, "sync": sync},
                             "ray": {"num_cpus": max(ranks, replicas)}})
     try:
         rng = random.Random(0)
@@ -77,8 +78,8 @@ def run(repeats: int, hidden: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_model("qwen3", os.path.join(tmp, "model"), hidden=hidden, layers=4, heads=hidden // 64,
                                     kv_heads=max(1, hidden // 128), max_positions=512)
-        for name, (ranks, replicas) in JOBS.items():
-            rows[name] = run_worker("arctic_rl_bench.scale", model_dir, str(ranks), str(replicas), str(repeats))
+        for name, (ranks, replicas, sync) in JOBS.items():
+            rows[name] = run_worker("arctic_rl_bench.scale", model_dir, str(ranks), str(replicas), sync, str(repeats))
     return {"benchmark": "scale", "cpus": os.cpu_count(), "hidden": hidden, "repeats": repeats,
             "generate": GENERATE, "fwd_bwd": FWD_BWD, "results": rows}
 
@@ -97,7 +98,7 @@ def main(args) -> int:
     base = result["results"]["single process"]
     print(f"{result['cpus']} CPUs, hidden {result['hidden']}, medians of {result['repeats']} (tiny calls: x4)")
     for name, r in result["results"].items():
-        print(f"{name:<20} generate {r['generate_s']:.3f} s ({r['generate_tokens_per_s']:.0f} tok/s, "
+        print(f"{name:<22} generate {r['generate_s']:.3f} s ({r['generate_tokens_per_s']:.0f} tok/s, "
               f"x{base['generate_s'] / r['generate_s']:.2f})  fwd_bwd {r['fwd_bwd_s']:.3f} s "
               f"(x{base['fwd_bwd_s'] / r['fwd_bwd_s']:.2f})  tiny fwd_bwd {r['tiny_fwd_bwd_s'] * 1e3:.1f} ms "
               f"(+{(r['tiny_fwd_bwd_s'] - base['tiny_fwd_bwd_s']) * 1e3:.1f})  tiny generate "
@@ -106,11 +107,7 @@ def main(args) -> int:
     return 0
 
 
-if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "--worker":
-    from transformers.utils import logging as hf_logging
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    from arctic_rl_bench.measure import worker_main
 
-    from arctic_rl_core.engines.distributed import select_accelerator
-
-    select_accelerator()
-    hf_logging.disable_progress_bar()
-    print(json.dumps(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))), flush=True)
+    worker_main(worker, str, int, int, str, int)

@@ -106,11 +106,7 @@ def main(args) -> int:
     return 0
 
 
-if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == "--worker":
-    from transformers.utils import logging as hf_logging
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    from arctic_rl_bench.measure import worker_main
 
-    from arctic_rl_core.engines.distributed import select_accelerator
-
-    select_accelerator()
-    hf_logging.disable_progress_bar()
-    print(json.dumps(worker(*sys.argv[2:6], int(sys.argv[6]))), flush=True)
+    worker_main(worker, str, str, str, str, int)

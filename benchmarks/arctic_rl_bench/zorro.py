@@ -188,10 +188,7 @@ def main(args) -> int:
     return 0
 
 
-if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--worker":
-    from arctic_rl_core.engines.distributed import select_accelerator
-    from transformers.utils import logging as hf_logging
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    from arctic_rl_bench.measure import worker_main
 
-    select_accelerator()
-    hf_logging.disable_progress_bar()
-    print(json.dumps(worker(sys.argv[2], json.loads(sys.argv[3]), sys.argv[4])))
+    worker_main(worker, str, json.loads, str)
