@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from arctic_rl_core.types import MAX_LEARNING_RATE
 
@@ -48,6 +48,13 @@ class EngineConfig(_Config):
     weight_bucket_mb: int = Field(256, ge=1)
     """With ranks > 1, weights leave rank 0 for the sampler in buckets of about this size (ZeRO-3: gathered
     one bucket at a time, never the whole model at once)."""
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_below_zero3(cls, lora, info: ValidationInfo):
+        if lora is not None and info.data.get("zero_stage") == 3:
+            raise ValueError("LoRA is supported with zero_stage 0-2 (adapters are merged for sync)")
+        return lora
 
 
 class RaySettings(_Config):
@@ -106,6 +113,13 @@ class SamplerConfig(_Config):
     vLLM's CPU build ignores it."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's LLM(...) as is."""
+
+    @field_validator("sync")
+    @classmethod
+    def _pool_sync(cls, sync, info: ValidationInfo):
+        if sync == "file" and info.data.get("replicas", 1) > 1:
+            raise ValueError("replicas sync by shared_memory (Ray's object store) or broadcast, not file")
+        return sync
 
 
 class BackendConfig(_Config):

@@ -101,6 +101,13 @@ def _finite_flag_into(flags: list):
     return record
 
 
+def refuse_unsupported(config: BackendConfig) -> None:
+    """What the configuration's own checks cannot see, refused before anything starts (also a trainer group's
+    ranks)."""
+    if not os.path.isdir(config.model_path):
+        raise InvalidRequest("model_path", f"{config.model_path!r} is not a directory")
+
+
 class DeepSpeedEngine(TrainingEngine):
     def __init__(self, config: BackendConfig):
         init_distributed()
@@ -109,10 +116,7 @@ class DeepSpeedEngine(TrainingEngine):
         from transformers.integrations import HfDeepSpeedConfig
 
         ec = config.engine
-        if ec.lora is not None and ec.zero_stage == 3:
-            raise InvalidRequest("engine.lora", "LoRA is supported with zero_stage 0-2 (adapters are merged for sync)")
-        if not os.path.isdir(config.model_path):
-            raise InvalidRequest("model_path", f"{config.model_path!r} is not a directory")
+        refuse_unsupported(config)
         self.config = ec
         self.stage = ec.zero_stage
         self.concurrent_forward = ec.zero_stage < 3

@@ -171,8 +171,10 @@ class TrainerGroup(TrainingEngine):
     def __init__(self, config: BackendConfig):
         import ray
 
+        from arctic_rl_core.engines.deepspeed_engine import refuse_unsupported
         from arctic_rl_core.ray_job import RayJob
 
+        refuse_unsupported(config)
         self.ranks = config.engine.ranks
         self.bucket_bytes = config.engine.weight_bucket_mb * 2**20
         self.job = RayJob.acquire(config)

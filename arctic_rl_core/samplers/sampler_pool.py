@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 
 from arctic_rl_core.config import BackendConfig
-from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.samplers.replica import SamplerReplica, node_address
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
@@ -79,9 +79,6 @@ class SamplerPool(Sampler):
         from arctic_rl_core.ray_job import RayJob
 
         sc = config.sampler
-        if sc.sync == "file":
-            raise InvalidRequest("sampler.sync", "a pool of replicas syncs by shared_memory (Ray's object store) "
-                                                 "or broadcast, not file")
         self.config = config
         self.route = "broadcast" if sc.sync == "broadcast" else "object_store"
         self.bucket_bytes = int(sc.bucket_mb * 2**20)

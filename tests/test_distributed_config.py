@@ -1,0 +1,21 @@
+"""A distributed configuration the job cannot run is refused, naming the setting, before Ray starts."""
+
+import pytest
+
+from arctic_rl_core.backend import InProcessBackend
+from arctic_rl_core.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("change, field, words", [
+    ({"engine": {"ranks": 2, "zero_stage": 3, "lora": {"r": 4}}}, "config.engine.lora", "zero_stage 0-2"),
+    ({"sampler": {"name": "transformers", "replicas": 2, "sync": "file"}}, "config.sampler.sync", "not file"),
+    ({"model_path": "/nonexistent/model", "engine": {"ranks": 2}}, "model_path", "not a directory"),
+    ({"placement": "side_by_side", "engine": {"ranks": 2}}, "config.placement", "colocated"),
+])
+def test_refused_before_any_actor_or_ray_starts(tiny_model, change, field, words):
+    import ray
+
+    with pytest.raises(InvalidRequest) as err:
+        InProcessBackend({"model_path": tiny_model, **change})
+    assert err.value.field == field and words in str(err.value)
+    assert not ray.is_initialized()
