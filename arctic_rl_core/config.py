@@ -66,6 +66,9 @@ class RaySettings(_Config):
     """Logical CPUs of a local Ray (default: this machine's cores)."""
     start_timeout_s: float = Field(120.0, gt=0)
     """How long the actors may take to be placed and to start before the job fails to initialise."""
+    call_timeout_s: float = Field(3600.0, gt=0)
+    """How long one call may wait for a trainer rank; a rank that does not answer (hung in a collective, or
+    stopped) fails the call and the group, as a rank that died does."""
 
 
 class ZorroConfig(_Config):

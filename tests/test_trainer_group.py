@@ -3,7 +3,9 @@ rank on the whole batch, for ZeRO 1, 2 and 3, ZoRRo on and off; GRPO groups neve
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -109,25 +111,32 @@ def test_more_ranks_than_the_cluster_can_place_fail_at_start_naming_the_setting(
     assert not ray.is_initialized()  # the job's local Ray was stopped: no actors or placement groups left
 
 
-def test_a_rank_that_died_fails_the_call_saying_so_and_the_job_resumes_from_its_checkpoint(tiny_model, tmp_path):
+# A stopped rank 1 leaves rank 0 waiting in a collective too: both may be named.
+@pytest.mark.parametrize("fault, says", [("killed", "died"), ("stopped", r"ranks \[(0, )?1\] did not answer "
+                                                                    r"within ray.call_timeout_s=20 s")])
+def test_a_rank_that_died_or_hung_fails_the_call_saying_so_and_the_job_resumes_from_its_checkpoint(
+        tiny_model, tmp_path, fault, says):
     import ray
 
     seqs, path = unequal_groups(), str(tmp_path / "ckpt")
-    api = InProcessBackend(config(tiny_model, 2, 2))
+    api = InProcessBackend({**config(tiny_model, 2, 2), "ray": {"call_timeout_s": 20}})
     try:
         api.fwd_bwd(seqs, "grpo")
         api.step()
         api.save_checkpoint(path)
         saved = api.state_digest()
-        ray.kill(api.engine.actors[1], no_restart=True)
+        if fault == "killed":
+            ray.kill(api.engine.actors[1], no_restart=True)
+        else:  # alive but answering nothing, as a rank hung in a collective
+            os.kill(api.describe()["trainer"][1]["pid"], signal.SIGSTOP)
         calls = ThreadPoolExecutor(1)  # rank 0 is left in a collective: the call must not wait for it
-        with pytest.raises(TrainerRankFailed, match="died.*load_checkpoint"):
+        with pytest.raises(TrainerRankFailed, match=f"{says}.*load_checkpoint"):
             calls.submit(api.fwd_bwd, seqs, "grpo").result(timeout=120)
         calls.shutdown(wait=False)
         with pytest.raises(TrainerRankFailed):
             api.step()  # the group refuses every later call at once
         status = api.describe()
-        assert status["optimizer_steps"] is None and "died" in status["trainer_error"]
+        assert status["optimizer_steps"] is None and "load_checkpoint" in status["trainer_error"]
         assert [row["healthy"] for row in status["trainer"]] == [False, False]
     finally:
         api.close()

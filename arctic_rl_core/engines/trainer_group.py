@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from typing import Iterator
 
 import torch
@@ -179,14 +180,15 @@ class TrainerGroup(TrainingEngine):
         self.bucket_bytes = config.engine.weight_bucket_mb * 2**20
         self.job = RayJob.acquire(config)
         self.failed: str | None = None
-        """Why the group cannot take calls any more (a rank died or failed)."""
+        """Why the group cannot take calls any more (a rank died, failed or hung)."""
+        self.call_timeout_s = config.ray.call_timeout_s
         try:
             layout = self.job.layout(config)
             payload = config.model_dump(mode="json")
             self.actors = [self.job.actor(TrainerRank, payload, rank, self.ranks, **layout.trainer[rank])
                            for rank in range(self.ranks)]
             addr, port = ray.get(self.actors[0].rendezvous_address.remote(), timeout=config.ray.start_timeout_s)
-            facts = self._all("start", addr, port)
+            facts = self._all("start", addr, port, limit=(config.ray.start_timeout_s, "ray.start_timeout_s"))
         except BaseException:
             self.job.release()
             raise
@@ -205,7 +207,7 @@ class TrainerGroup(TrainingEngine):
 
     # -- calls to every rank ---------------------------------------------------------------------
 
-    def _wait(self, refs: list) -> list:
+    def _wait(self, refs: list, limit: tuple[float, str] | None = None) -> list:
         """The ranks' results in order. The first failure is raised at once: a rank that died leaves the others
         blocked in a collective, so the group is marked failed and refuses every later call."""
         import ray
@@ -214,9 +216,17 @@ class TrainerGroup(TrainingEngine):
         if self.failed:
             raise TrainerRankFailed(self.failed)
         pending = list(refs)
+        seconds, setting = limit or (self.call_timeout_s, "ray.call_timeout_s")
+        deadline = time.monotonic() + seconds
         try:
             while pending:
-                ready, pending = ray.wait(pending, num_returns=1)
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    ranks = [r for r, ref in enumerate(refs) if ref in pending]  # refs go to ranks 0, 1, ...
+                    self.failed = (f"trainer ranks {ranks} did not answer within {setting}={seconds:g} s; the call "
+                                   "was not applied and the group cannot continue: start a new job and "
+                                   "load_checkpoint to resume from the last checkpoint")
+                    raise TrainerRankFailed(self.failed)
                 ray.get(ready)
             return ray.get(refs)
         except RayTaskError as err:
@@ -231,8 +241,8 @@ class TrainerGroup(TrainingEngine):
             self.failed = f"a trainer rank failed: {err}"
         raise TrainerRankFailed(self.failed)
 
-    def _all(self, method: str, *args) -> list:
-        return self._wait([getattr(actor, method).remote(*args) for actor in self.actors])
+    def _all(self, method: str, *args, limit: tuple[float, str] | None = None) -> list:
+        return self._wait([getattr(actor, method).remote(*args) for actor in self.actors], limit)
 
     def _per_rank(self, plan: RankPlan, micro_batches: list[MicroBatch]):
         for rank in range(self.ranks):
