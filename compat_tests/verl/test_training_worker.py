@@ -158,7 +158,7 @@ def test_the_cpu_process_group_patch_is_recorded_and_refuses_to_patch_twice():
     rows = {row["patch"]: row for row in applied()}
     row = rows["verl.utils.distributed.initialize_global_process_group_ray"]
     assert row["active"] == 1 and "gloo" in row["reason"] and row["by"] == "arctic_rl_verl.plugin"
-    assert rows["verl.workers.rollout.base._ROLLOUT_REGISTRY[('arctic_rl', 'async')]"]["by"] == "arctic_rl_verl.rollout"
+    assert rows["verl.workers.rollout.base._ROLLOUT_REGISTRY[('arctic_rl', 'async')]"]["by"] == "arctic_rl_verl.plugin"
     with pytest.raises(PatchConflict, match="already patched"):
         cpu_process_group_patch().apply()
     assert verl_distributed.initialize_global_process_group_ray.__module__ == "arctic_rl_verl.plugin"
@@ -177,3 +177,19 @@ print(d.initialize_global_process_group_ray.__module__, [row["patch"] for row in
     module, patches = out.stdout.strip().splitlines()[-1].split(" ", 1)
     assert module == "verl.utils.distributed", out.stdout
     assert "initialize_global_process_group_ray" not in patches
+
+
+@pytest.mark.parametrize("first", ["arctic_rl_verl.rollout", "arctic_rl_verl.engine", "verl"])
+def test_a_worker_importing_an_adapter_module_first_loads_the_plugin_without_error(first):
+    """A Ray worker unpickling the rollout's or engine's class imports that module before verl; the plugin that
+    `import verl` runs must still load whole (it once logged a circular-import traceback on every run)."""
+    code = f"""
+import {first}
+from verl.workers.rollout.base import get_rollout_class
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+print(get_rollout_class("arctic_rl").__name__, RolloutReplicaRegistry.get("arctic_rl").__name__)
+"""
+    out = run_python(code, timeout=300, ARCTIC_RL_VERL_BACKEND="arctic-rl")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "failed to load" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["ArcticRolloutAdapter", "ArcticReplica"]

@@ -15,6 +15,7 @@ config, which also puts `ARCTIC_RL_VERL_BACKEND` into the environment of every R
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -52,6 +53,24 @@ def cpu_process_group_patch():
                  reason="CPU platform: join the process group with plain gloo", by=__name__)
 
 
+ROLLOUT_MODULE = "arctic_rl_verl.rollout"
+
+
+def register_rollout() -> None:
+    """The rollout is registered by name, never by importing its module here: a Ray worker unpickling the
+    rollout's class imports that module first, and its `import verl` runs this plugin before it is complete."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from arctic_rl_core.patches import set_item
+
+    RolloutReplicaRegistry.register("arctic_rl", lambda: importlib.import_module(ROLLOUT_MODULE).ArcticReplica)
+    # verl keeps the hybrid-worker rollouts in a plain dict with no register function.
+    set_item(rollout_base._ROLLOUT_REGISTRY, ("arctic_rl", "async"), f"{ROLLOUT_MODULE}.ArcticRolloutAdapter",
+             "verl's hybrid workers find the arctic_rl rollout by this table entry", __name__,
+             where="verl.workers.rollout.base._ROLLOUT_REGISTRY")
+
+
 def load() -> None:
     import torch
     from omegaconf import OmegaConf
@@ -62,9 +81,8 @@ def load() -> None:
         if selected():
             cpu_process_group_patch().apply()
     from arctic_rl_verl import engine  # noqa: F401  (registers the engine)
-    from arctic_rl_verl import rollout
 
-    rollout.register()
+    register_rollout()
     OmegaConf.register_new_resolver("arctic_rl_backend", backend_name, replace=True)
 
 

@@ -19,12 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import ray
-from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from arctic_rl_core.client import ArcticRLClient
-from arctic_rl_core.patches import set_item
 from arctic_rl_core.types import SamplingParams
 from arctic_rl_verl.connect import URL_KEY, ArcticSetupError, client_for
 
@@ -176,10 +174,3 @@ class ArcticRolloutAdapter(BaseRollout):
         logger.info("arctic_rl: backend weights synced into the sampler (weight_version %d, global step %s)",
                     version, steps)
 
-
-def register() -> None:
-    RolloutReplicaRegistry.register("arctic_rl", lambda: ArcticReplica)
-    # verl keeps the hybrid-worker rollouts in a plain dict with no register function.
-    set_item(rollout_base._ROLLOUT_REGISTRY, ("arctic_rl", "async"), f"{__name__}.ArcticRolloutAdapter",
-             "verl's hybrid workers find the arctic_rl rollout by this table entry", __name__,
-             where="verl.workers.rollout.base._ROLLOUT_REGISTRY")
