@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -29,7 +30,11 @@ from arctic_rl_verl.connect import URL_KEY, ArcticSetupError, client_for
 logger = logging.getLogger(__name__)
 SERVER_PREFIX = "arctic_rl_server_"
 BATCH_WINDOW_S = 0.005
-"""How long the server waits for more requests before sending a batch."""
+"""Requests are sent once none has arrived for this long (verl's agent loop sends a step's requests in a
+burst), in one `generate` call, group by group: a prompt with fewer copies than the group size (rollout.n)
+waits for the rest, so a GRPO group is never split between calls and its prompt is prefilled once..."""
+MAX_BATCH_WAIT_S = 1.0
+"""...except that a request waits at most this long (validation may sample another n)."""
 
 
 @dataclass
@@ -72,8 +77,12 @@ class ArcticServer:
         self.client = self.settings.client()
         self.response_length = config.response_length
         self.replica_rank = replica_rank
-        self._pending: dict[str, list[tuple[list[int], asyncio.Future]]] = {}
+        self._pending: dict[str, list[tuple[list[int], asyncio.Future, float]]] = {}
+        """Per sampling settings: (prompt, its future, when it arrived)."""
         self._flush: Optional[asyncio.Task] = None
+        self._arrivals = 0
+        self.group_size = int(config.n)
+        """verl's rollout.n: the samples of one prompt, sent as that many requests."""
         self.global_steps: Optional[int] = None
         """verl's step whose weights the sampler holds (verl tracks sample staleness by it)."""
 
@@ -84,7 +93,9 @@ class ArcticServer:
             raise ValueError("arctic_rl serves text-only rollouts")
         params = to_sampling_params(dict(sampling_params), self.response_length)
         future = asyncio.get_running_loop().create_future()
-        self._pending.setdefault(params.model_dump_json(), []).append((list(prompt_ids), future))
+        arrived = asyncio.get_running_loop().time()
+        self._pending.setdefault(params.model_dump_json(), []).append((list(prompt_ids), future, arrived))
+        self._arrivals += 1
         if self._flush is None:
             self._flush = asyncio.create_task(self._send_batches())
         completion = await future
@@ -93,14 +104,30 @@ class ArcticServer:
                                          "arctic_weight_version": completion.weight_version})
 
     async def _send_batches(self):
-        await asyncio.sleep(BATCH_WINDOW_S)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        while True:  # until no request arrived for a window (or requests never stop coming)
+            seen = self._arrivals
+            await asyncio.sleep(BATCH_WINDOW_S)
+            if self._arrivals == seen or loop.time() - started >= MAX_BATCH_WAIT_S:
+                break
+        now = loop.time()
         pending, self._pending, self._flush = self._pending, {}, None
+        ready: dict[str, list] = {}
         for key, requests in pending.items():
+            copies = Counter(tuple(prompt) for prompt, _, _ in requests)
+            for request in requests:
+                whole = copies[tuple(request[0])] % self.group_size == 0
+                target = ready if whole or now - request[2] >= MAX_BATCH_WAIT_S else self._pending
+                target.setdefault(key, []).append(request)
+        if self._pending:  # groups still arriving
+            self._flush = asyncio.create_task(self._send_batches())
+        for key, requests in ready.items():
             params = SamplingParams.model_validate_json(key)
             try:
-                completions = await asyncio.to_thread(self.client.generate, [p for p, _ in requests], params)
+                completions = await asyncio.to_thread(self.client.generate, [p for p, _, _ in requests], params)
             except Exception as err:  # every waiting request sees the backend's error
-                for _, future in requests:
+                for _, future, _ in requests:
                     future.set_exception(err)
                 continue
             for completion in completions:
