@@ -13,6 +13,7 @@ from functools import cached_property
 from arctic_rl_core.types import (
     CheckpointInfo,
     Completion,
+    Episode,
     FwdBwdResult,
     LogProbsResult,
     LossSpec,
@@ -31,8 +32,15 @@ class TrainingAPI(ABC):
         return ApiFutures(self)
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None) -> list[Completion]:
-        """Sample `sampling.n` completions per prompt from the last synced weights."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 session: str | None = None) -> list[Completion]:
+        """Sample `sampling.n` completions per prompt from the last synced weights; with `session`, record
+        them as turns of that episode."""
+
+    @abstractmethod
+    def episode(self, session: str, release: bool = False) -> Episode:
+        """The turns recorded for `session`, exactly as sampled (`Episode.sequences()` makes them training
+        sequences); with `release`, forget them."""
 
     @abstractmethod
     def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0,

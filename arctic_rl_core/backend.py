@@ -22,6 +22,8 @@ from arctic_rl_core.validation import parse
 from arctic_rl_core.types import (
     CheckpointInfo,
     Completion,
+    Episode,
+    EpisodeRequest,
     FwdBwdResult,
     GenerateRequest,
     LogProbsResult,
@@ -37,6 +39,7 @@ from arctic_rl_core.types import (
     token_list,
 )
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
+from arctic_rl_core.trajectories import TrajectoryStore
 
 
 class SharedLock:
@@ -113,6 +116,7 @@ class InProcessBackend(TrainingAPI):
         self._counters_lock = threading.Lock()
         self.generated = {"calls": 0, "completions": 0, "tokens": 0}
         """What the sampler produced so far (served by the server's status route)."""
+        self.trajectories = TrajectoryStore(self.config.sampler.capture_tokens)
 
     @property
     def weight_version(self) -> int:
@@ -160,8 +164,9 @@ class InProcessBackend(TrainingAPI):
 
     # -- the API -------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None) -> list[Completion]:
-        request = parse(GenerateRequest, {"prompts": prompts, "sampling": sampling}, "")
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
+                 session: str | None = None) -> list[Completion]:
+        request = parse(GenerateRequest, {"prompts": prompts, "sampling": sampling, "session": session}, "")
         prompts, params = request.prompts, request.sampling
         if not prompts:
             raise InvalidRequest("prompts", "must hold at least one prompt")
@@ -172,6 +177,8 @@ class InProcessBackend(TrainingAPI):
                 raise InvalidRequest(f"prompts[{i}]", "must be a non-empty list of token ids")
             if ids.min() < 0 or ids.max() >= vocab:
                 raise InvalidRequest(f"prompts[{i}]", f"token ids must be integers in [0, {vocab})")
+            if params.prompt_logprobs is not None and len(prompt) < 2:
+                raise InvalidRequest(f"prompts[{i}]", "prompt_logprobs needs a prompt of at least 2 tokens")
             if len(prompt) + params.max_tokens > self.sampler.max_context:
                 raise InvalidRequest(
                     f"prompts[{i}]",
@@ -186,7 +193,13 @@ class InProcessBackend(TrainingAPI):
             self.generated["calls"] += 1
             self.generated["completions"] += len(completions)
             self.generated["tokens"] += sum(len(c.token_ids) for c in completions)
+        if request.session is not None:
+            self.trajectories.record(request.session, prompts, completions)
         return completions
+
+    def episode(self, session: str, release: bool = False) -> Episode:
+        return self.trajectories.episode(parse(EpisodeRequest, {"session": session, "release": release}, "").session,
+                                         release)
 
     def log_probs(self, sequences, *, with_entropy: bool = False, temperature: float = 1.0,
                   source: str = "trainer") -> LogProbsResult:
@@ -323,6 +336,7 @@ class InProcessBackend(TrainingAPI):
             **({"trainer_error": trainer_error} if trainer_error else {}),
             "weight_version": self._weight_version,
             "generated": dict(self.generated),
+            "episodes": self.trajectories.describe(),
             "sync_route": self.sampler.sync_route,
             "trainer": getattr(self.engine, "placement",
                                [{"rank": 0, "node": "driver", "pid": os.getpid(), "healthy": True}]),

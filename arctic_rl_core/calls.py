@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from arctic_rl_core.types import (
     CheckpointInfo,
     Completion,
+    Episode,
+    EpisodeRequest,
     FwdBwdRequest,
     FwdBwdResult,
     GenerateRequest,
@@ -94,6 +96,7 @@ CALLS: dict[str, Call] = {
     c.name: c
     for c in (
         Call("generate", GenerateRequest, GenerateResponse, ordered=False, returns="completions"),
+        Call("episode", EpisodeRequest, Episode, ordered=False),
         Call("log_probs", LogProbsRequest, LogProbsResult, ordered=False),
         Call("fwd_bwd", FwdBwdRequest, FwdBwdResult, ordered=True),
         Call("discard_gradients", Empty, Empty, ordered=True),

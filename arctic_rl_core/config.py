@@ -111,6 +111,9 @@ class SamplerConfig(_Config):
     kv_cache_mb: int = Field(512, ge=16)
     """KV cache size on CPU (vLLM's CPU backend reserves host memory)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    capture_tokens: int = Field(64 * 2**20, ge=1)
+    """Tokens of captured episodes (generate calls with a session) kept until collected; past it the least
+    recently used episodes are evicted."""
     sleep_during_training: bool = False
     """Release the KV cache (vLLM sleep mode) during fwd_bwd and step; for colocated GPUs, not with pipelining.
     vLLM's CPU build ignores it."""

@@ -32,6 +32,8 @@ MAX_VERSION = 2**53
 """Weight versions are counters; this bound keeps them exact as floats in the losses' arithmetic."""
 MAX_LEARNING_RATE = 10.0
 """Far above any learning rate in use; larger ones overflow weights in a step."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a sampler reports per position (OpenAI's own cap on `top_logprobs`)."""
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-2, 1e2
 """Sampling and scoring temperatures divide the logits: outside this range they overflow fp16/bf16
 logits or flatten the policy to noise. Temperature 0 (greedy) is allowed for sampling."""
@@ -179,6 +181,12 @@ class SamplingParams(_Strict):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    """How many most likely tokens to report at each sampled position, besides the sampled one
+    (`Completion.top_logprobs`); 0 reports the sampled token's log-prob only."""
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Score the prompt too (`Completion.prompt_logprobs`): each prompt token's log-prob and this many
+    most likely alternatives; None scores nothing."""
 
     @model_validator(mode="after")
     def _temperature(self) -> "SamplingParams":
@@ -189,9 +197,14 @@ class SamplingParams(_Strict):
         return self
 
 
+SESSION_ID_CHARS = 256
+
+
 class GenerateRequest(_Strict):
     prompts: list[TokenIds]
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    session: str | None = Field(default=None, min_length=1, max_length=SESSION_ID_CHARS)
+    """Record each prompt and its completions as turns of this episode (`episode`)."""
 
     @field_validator("sampling", mode="before")
     @classmethod
@@ -206,6 +219,45 @@ class Completion(_Strict):
     """Log-prob of each sampled token under the temperature-scaled policy."""
     finish_reason: Literal["stop", "length"]
     weight_version: int
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """With `sampling.logprobs` = k: at each sampled position, the k most likely (token id, log-prob)."""
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    """With `sampling.prompt_logprobs` = k: for prompt tokens 1.. (the first has no context), the token's own
+    (id, log-prob) first, then the k most likely."""
+
+
+class Turn(_Strict):
+    """One sampled completion of an episode, exactly as the sampler saw and produced it."""
+
+    prompt_ids: list[int]
+    """The prompt's token ids as rendered and sampled from (never re-tokenised)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    weight_version: int
+
+
+class EpisodeRequest(_Strict):
+    session: str = Field(min_length=1, max_length=SESSION_ID_CHARS)
+    release: bool = False
+    """Forget the episode once returned (the server keeps captured episodes until released or evicted)."""
+
+
+class Episode(_Strict):
+    session: str
+    turns: list[Turn]
+
+    def sequences(self, advantages: float | list[float] = 0.0, group_id: str | int | None = None) -> list[Sequence]:
+        """The turns as training sequences: sampled tokens with their behaviour log-probs and version, and
+        one advantage for the episode or one per turn, in group `group_id` (default: the session). Turns whose
+        prompts extend earlier turns share those tokens, which ZoRRo's prefix forest computes once."""
+        per_turn = advantages if isinstance(advantages, list) else [advantages] * len(self.turns)
+        if len(per_turn) != len(self.turns):
+            raise InvalidRequest("advantages", f"has {len(per_turn)} entries but the episode has {len(self.turns)} turns")
+        return [Sequence(prompt_ids=t.prompt_ids, response_ids=t.token_ids, group_id=self.session if group_id is None else group_id,
+                         advantages=[float(a)] * len(t.token_ids), behaviour_logprobs=t.logprobs,
+                         behaviour_version=t.weight_version)
+                for t, a in zip(self.turns, per_turn) if t.token_ids]
 
 
 class LogProbsRequest(_Strict):

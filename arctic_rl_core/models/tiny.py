@@ -14,7 +14,9 @@ from typing import Literal
 
 Family = Literal["qwen3", "qwen2", "llama", "gemma2", "granite"]
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "gemma2", "granite")
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                  # Qwen3's tool and reasoning markers: its renderers (PrimeRL's) need them in the vocabulary.
+                  "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 _CORPUS = """
 The quick brown fox jumps over the lazy dog. A model reads a question and writes an answer.
@@ -26,6 +28,38 @@ Paris is the capital of France. Berlin is the capital of Germany. The river flow
 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 + - * / = < > ( ) [ ] { } , . ; : ' " ? !
 question: answer: context: title: paragraph: reasoning step by step, the answer is
 """
+
+
+# ChatML, as Qwen's templates write it: tools in the system turn, calls as <tool_call> blocks, tool results as
+# user turns; like Qwen3's, the reasoning (up to </think>) of assistant turns before the last user message is
+# dropped, so a conversation's later prompts do not always extend its earlier ones token for token.
+CHAT_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a tool with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- set last_user = namespace(index=-1) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set last_user.index = loop.index0 %}{% endif %}{% endfor %}
+{%- for m in messages %}
+{%- if m.role == 'system' %}{% if not loop.first %}{{ raise_exception('a system message must come first') }}{% endif %}
+{%- elif m.role == 'user' %}<|im_start|>user
+{{ m.content }}<|im_end|>
+{% elif m.role == 'assistant' %}{% set content = m.content or '' %}
+{%- if loop.index0 < last_user.index and '</think>' in content %}{% set content = content.split('</think>')[-1].lstrip() %}{% endif %}<|im_start|>assistant
+{{ content }}{% for call in m.tool_calls or [] %}<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}{{ raise_exception('unknown role ' ~ m.role) }}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 def train_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
@@ -51,6 +85,7 @@ def train_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         bos_token=None,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

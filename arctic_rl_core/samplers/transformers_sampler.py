@@ -15,6 +15,11 @@ from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.types import Completion, SamplingParams
 
 
+def _pairs(indices: torch.Tensor, values: torch.Tensor) -> list[list[tuple[int, float]]]:
+    """Per position, (token id, log-prob) pairs from a top-k result."""
+    return [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+
+
 class TransformersSampler(Sampler):
     sync_route = "direct"  # copies into its own model's parameters
 
@@ -64,14 +69,13 @@ class TransformersSampler(Sampler):
                 logits = torch.stack(out.logits, dim=1).float()
                 if not greedy:
                     logits = logits / sampling.temperature
-                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                all_logprobs = torch.log_softmax(logits, dim=-1)
+                logprobs = all_logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                top = torch.topk(all_logprobs, sampling.logprobs, dim=-1) if sampling.logprobs else None
+                prompt_scores = self._prompt_logprobs(prompt, sampling.prompt_logprobs)
                 for row in range(new.shape[0]):
                     tokens = new[row].tolist()
-                    end, reason = len(tokens), "length"
-                    for pos, tok in enumerate(tokens):
-                        if tok in stop_ids:
-                            end, reason = pos + 1, "stop"
-                            break
+                    end, reason = self._end(tokens, stop_ids, sampling.stop)
                     completions.append(
                         Completion(
                             prompt_index=index,
@@ -79,9 +83,30 @@ class TransformersSampler(Sampler):
                             logprobs=logprobs[row, :end].tolist(),
                             finish_reason=reason,
                             weight_version=weight_version,
+                            top_logprobs=None if top is None else _pairs(top.indices[row, :end], top.values[row, :end]),
+                            prompt_logprobs=prompt_scores,
                         )
                     )
         return completions
+
+    def _end(self, tokens: list[int], stop_ids: list[int], stops: list[str]) -> tuple[int, str]:
+        """Where a sampled row ends: after a stop token or the token completing a stop string (a row that
+        ended early is padded after it: the padding was never sampled)."""
+        for pos, tok in enumerate(tokens):
+            if tok in stop_ids or stops and any(s in self.tokenizer.decode(tokens[: pos + 1]) for s in stops):
+                return pos + 1, "stop"
+        return len(tokens), "length"
+
+    def _prompt_logprobs(self, prompt: list[int], k: int | None):
+        """Each prompt token after the first: its own (id, log-prob), then the k most likely (temperature 1)."""
+        if k is None:
+            return None
+        ids = torch.tensor([prompt], device=self.device)
+        scores = torch.log_softmax(self.model(ids).logits[0, :-1].float(), -1)
+        own = scores.gather(-1, ids[0, 1:, None])
+        top = torch.topk(scores, k, dim=-1)
+        return [[(int(t), float(v))] + pairs for t, v, pairs in
+                zip(prompt[1:], own[:, 0].tolist(), _pairs(top.indices, top.values))]
 
     @torch.no_grad()
     def score(self, sequences):

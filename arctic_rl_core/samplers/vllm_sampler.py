@@ -46,6 +46,13 @@ def _engine_in_this_process(enabled: bool):
         yield
 
 
+def _top(step: dict, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, log-prob) of one position's vLLM log-probs (which also hold the sampled
+    or prompt token, whatever its rank)."""
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in step.items() if lp.rank is not None and lp.rank <= k)
+    return [(token, logprob) for _, token, logprob in ranked[:k]]
+
+
 class VLLMSampler(Sampler):
     def __init__(self, config: BackendConfig):
         from transformers import AutoConfig
@@ -100,7 +107,7 @@ class VLLMSampler(Sampler):
         return VLLMParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
-            seed=sampling.seed, logprobs=0,
+            seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
         )
 
     def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
@@ -117,6 +124,10 @@ class VLLMSampler(Sampler):
                         logprobs=[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)],
                         finish_reason=out.finish_reason,
                         weight_version=weight_version,
+                        top_logprobs=[_top(step, sampling.logprobs) for step in out.logprobs] if sampling.logprobs else None,
+                        prompt_logprobs=None if sampling.prompt_logprobs is None else [
+                            [(token, step[token].logprob)] + _top(step, sampling.prompt_logprobs)
+                            for step, token in zip(request.prompt_logprobs[1:], prompts[index][1:])],
                     )
                 )
         return completions

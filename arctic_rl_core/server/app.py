@@ -19,19 +19,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from arctic_rl_core import wire
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.config import BackendConfig
-from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest, field_path
 from arctic_rl_core.patches import applied as applied_patches
 from arctic_rl_core.calls import API_PREFIX, CALLS, REQUEST_ID_HEADER, Call, CheckpointRequest
 from arctic_rl_core.server.buffers import BufferPool
 from arctic_rl_core.server.idempotency import RequestIdConflict, RequestLog
 from arctic_rl_core.server.limits import OverLimit, RequestLimits
-from arctic_rl_core.server.security import GuardMiddleware, confine
+from arctic_rl_core.server.security import GuardMiddleware, confine, error_body
+from arctic_rl_core.serving.routes import ModelNotFound, Serving, add_serving_routes
+from arctic_rl_core.trajectories import UnknownSession
 from arctic_rl_core.validation import parse
 
 log = logging.getLogger("arctic_rl.server")
@@ -54,6 +57,8 @@ class ServerSettings:
     """Longest wait for the next piece of a request body."""
     max_connections: int = 64
     """Open connections beyond this are answered 503."""
+    served_model_name: str | None = None
+    """The model name the OpenAI-compatible routes answer to (default: the job's model_path)."""
 
     def checkpoint_root(self) -> str:
         if self.checkpoint_dir is None:
@@ -94,7 +99,7 @@ class JobConflict(InvalidRequest):
 def _error(status: int, exc: Exception) -> JSONResponse:
     field_ = getattr(exc, "field", None)
     message = getattr(exc, "message", None) or str(exc)
-    return JSONResponse({"error": {"type": type(exc).__name__, "field": field_, "message": message}}, status_code=status)
+    return JSONResponse(error_body(type(exc).__name__, field_, message, status), status_code=status)
 
 
 class Body:
@@ -186,6 +191,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                    reads=ThreadPoolExecutor(settings.read_workers, thread_name_prefix="arctic-read"),
                    buffers=BufferPool(max_pooled_bytes=2 * settings.max_request_bytes))
     checkpoint_root = settings.checkpoint_root()
+    serving = app.state.serving = Serving(settings.served_model_name)
 
     def read(request: Request) -> Body:
         return Body(request, settings.max_request_bytes, job.buffers, settings.body_timeout_s)
@@ -194,6 +200,8 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request, exc: InvalidRequest):
+        if isinstance(exc, (ModelNotFound, UnknownSession)):
+            return _error(404, exc)
         if isinstance(exc, (RequestTooLarge, OverLimit)):
             return _error(413, exc)
         if isinstance(exc, BodyTimeout):
@@ -204,10 +212,15 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
     async def http_error(request, exc: HTTPException):
         # Unknown routes and wrong methods answer in the same shape as every other error.
         field_ = "method" if exc.status_code == 405 else "path"
-        return JSONResponse({"error": {"type": type(exc).__name__ if exc.status_code not in (404, 405) else
-                                       ("NotFound" if exc.status_code == 404 else "MethodNotAllowed"),
-                                       "field": field_, "message": f"{request.method} {request.url.path}: {exc.detail}"}},
+        kind = {404: "NotFound", 405: "MethodNotAllowed"}.get(exc.status_code, type(exc).__name__)
+        return JSONResponse(error_body(kind, field_, f"{request.method} {request.url.path}: {exc.detail}", exc.status_code),
                             status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_query(request, exc: RequestValidationError):
+        # Query parameters of the control routes (`/pause?mode=`), in the same shape.
+        first = exc.errors()[0]
+        return _error(400, InvalidRequest(field_path("", tuple(first["loc"][1:])), first["msg"]))
 
     @app.exception_handler(NoJob)
     async def no_job(request, exc):
@@ -233,6 +246,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
             "config": job.config.model_dump() if job.config else None,
             "weight_version": api.weight_version if api else None,
             "backend": api.describe() if api is not None and hasattr(api, "describe") else None,
+            "serving": serving.describe(),
             "patches": applied_patches(),
         }
 
@@ -309,6 +323,20 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
 
     for route in CALLS.values():
         add_route(route)
+
+    async def read_json(request: Request) -> Any:
+        async with read(request) as body:
+            content_type = request.headers.get("content-type", "application/json")
+            if not content_type.startswith("application/json"):
+                raise InvalidRequest("content-type", f"{content_type!r}: these routes take application/json")
+            return _decode(body, content_type)
+
+    def api_of() -> TrainingAPI:
+        if job.api is None:
+            raise NoJob(f"no job is initialized: POST {API_PREFIX}/initialize first")
+        return job.api
+
+    add_serving_routes(app, serving, job, api_of, read_json, settings.limits, run_in)
 
     base_openapi = app.openapi
 

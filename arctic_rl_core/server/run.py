@@ -84,7 +84,8 @@ def main(args) -> int:
             raise SystemExit(f"--limit {item}: expected NAME=INTEGER with NAME one of {', '.join(RequestLimits.names())}")
         setattr(limits, name, int(value))
     settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20,
-                              checkpoint_dir=args.checkpoint_dir, limits=limits)
+                              checkpoint_dir=args.checkpoint_dir, limits=limits,
+                              served_model_name=args.served_model_name)
     server = build_server(settings, config)
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)

@@ -4,8 +4,8 @@ Loopback binds need no token; any other bind requires one, and once a token
 is set every request must carry it (`Authorization: Bearer ...`), compared in
 constant time. Without a token, only loopback `Host` values and loopback (or
 no) `Origin`s are served: a web page in the user's browser cannot reach the
-server by DNS rebinding or a cross-site form. Every POST names its content
-type. Bodies over the cap are refused before they are read; checkpoint paths
+server by DNS rebinding or a cross-site form. Every POST with a body names
+its content type. Bodies over the cap are refused before they are read; checkpoint paths
 stay inside the server's checkpoint directory.
 """
 
@@ -83,7 +83,7 @@ class GuardMiddleware:
             if origin is not None and not is_loopback(urlsplit(origin.decode("latin-1")).hostname or ""):
                 return await _error(send, 403, "Forbidden", "origin",
                                     "cross-origin requests are refused; without a token only loopback pages are served")
-        if scope["method"] == "POST" and not headers.get(b"content-type"):
+        if scope["method"] == "POST" and not headers.get(b"content-type") and headers.get(b"content-length") != b"0":
             return await _error(send, 415, "InvalidRequest", "content-type",
                                 "every POST names its content type (application/json or the wire format)")
         length = headers.get(b"content-length")
@@ -98,8 +98,14 @@ class GuardMiddleware:
         return await self.app(scope, receive, send)
 
 
+def error_body(kind: str, field: str | None, message: str, status: int) -> dict:
+    """Every error's shape: the training API's (`type`, `field`, `message`) and OpenAI's (`message`, `type`,
+    `param`, `code`) at once, so both kinds of client read it."""
+    return {"error": {"type": kind, "field": field, "message": message, "param": field, "code": status}}
+
+
 async def _error(send, status: int, kind: str, field: str, message: str) -> None:
-    body = json.dumps({"error": {"type": kind, "field": field, "message": message}}).encode()
+    body = json.dumps(error_body(kind, field, message, status)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,184 @@
+"""The request schemas of the OpenAI- and vLLM-compatible routes, and how they become `SamplingParams`.
+
+Requests are parsed strictly: a parameter we do not know is refused, naming it,
+and so is one we know but cannot honour unless it has its neutral value (a
+`presence_penalty` of 0, say). A parameter that changes only presentation
+(`skip_special_tokens`, `user`, `cache_salt`) is accepted. vLLM's own field
+names and defaults are used (`vllm/entrypoints/openai/*/protocol.py`,
+`vllm/entrypoints/scale_out/token_in_token_out/protocol.py`), so its clients
+and its request models talk to us unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.types import MAX_TOP_LOGPROBS, SESSION_ID_CHARS, SamplingParams
+
+# Parameters accepted only at the value that leaves sampling as it is.
+NEUTRAL: dict[str, Any] = {
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0,
+    "ignore_eos": False, "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "echo": False, "suffix": "",
+    "best_of": 1, "structured_outputs": {}, "response_format": {"type": "text"}, "priority": 0, "features": {},
+    "content_parts": [], "kv_transfer_params": {}, "ec_transfer_params": {}, "truncate_prompt_tokens": None,
+    "logits_processors": [], "continue_final_message": False, "thinking_token_budget": None, "watermarking": None,
+    "prompt_logprob_token_ids": [], "logprob_token_ids": [], "repetition_detection": None, "extra_args": {},
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "reasoning_ended": None, "reasoning_parser_kwargs": None,
+}
+
+
+def _without_neutral(values: Any, where: str) -> Any:
+    """`values` less the NEUTRAL parameters, each refused unless neutral."""
+    if not isinstance(values, dict):
+        return values
+    for name, neutral in NEUTRAL.items():
+        value = values.get(name)
+        if value is None or value == neutral or value in ({}, []) and neutral in ({}, [], None):
+            continue
+        raise InvalidRequest(f"{where}{name}", f"is not supported by this server (only {neutral!r} is accepted)")
+    return {k: v for k, v in values.items() if k not in NEUTRAL}
+
+
+def parse_request(model: type[BaseModel], body: Any):
+    """A request of `model` from a JSON body, its errors naming the parameter."""
+    from arctic_rl_core.validation import parse
+
+    body = _without_neutral(body, "")
+    if isinstance(body, dict) and isinstance(body.get("sampling_params"), dict):
+        body["sampling_params"] = _without_neutral(body["sampling_params"], "sampling_params.")
+    return parse(model, body, "")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampled(_Request):
+    """What completions and chat requests share."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    """vLLM's: -1 or 0 disables it."""
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    """vLLM's: each choice carries its sampled `token_ids`, the response its `prompt_token_ids`."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: log-prob entries name tokens as "token_id:<id>" rather than as text."""
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_CHARS)
+    """Record the prompt and completions as a turn of this episode (also the `X-Session-Id` header)."""
+    user: str | None = None
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling(self, max_tokens: int, logprobs: int) -> SamplingParams:
+        values = {"n": self.n, "max_tokens": max_tokens, "stop": self.stops(), "stop_token_ids": self.stop_token_ids or [],
+                  "seed": self.seed, "logprobs": logprobs,
+                  "prompt_logprobs": None if self.prompt_logprobs is None else max(self.prompt_logprobs, 0),
+                  "temperature": 1.0 if self.temperature is None else self.temperature,
+                  "top_p": 1.0 if self.top_p is None else self.top_p,
+                  "top_k": 0 if self.top_k in (None, -1) else self.top_k}
+        return _sampling(values)
+
+
+def _sampling(values: dict, where: str = "") -> SamplingParams:
+    from arctic_rl_core.validation import parse
+
+    return parse(SamplingParams, values, where.rstrip("."))
+
+
+class CompletionRequest(_Sampled):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_Sampled):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    """Tools are rendered into the prompt by the chat template; the model's reply is returned as text."""
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+
+class TokenSamplingParams(_Request):
+    """vLLM's `SamplingParams` as `/inference/v1/generate` takes them (its defaults)."""
+
+    n: int = Field(1, ge=1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
+    flat_logprobs: bool = False
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: int | None = None
+    stream_interval: int | None = None
+    skip_clone: bool | None = None
+    output_text_buffer_length: int | None = None
+    skip_reading_prefix_cache: bool | None = None
+    routed_experts_prompt_start: int | None = None
+    trace_decode_token_ids: bool | None = None
+
+
+class TokenGenerateRequest(_Request):
+    """vLLM 0.32's `GenerateRequest` (token in, token out): the route SkyRL and PrimeRL train from."""
+
+    request_id: str | None = None
+    token_ids: list[int] = Field(min_length=1)
+    token_offsets: list[tuple[int, int]] | None = None
+    sampling_params: TokenSamplingParams
+    model: str | None = None
+    return_token_ids: bool | None = None
+    output_mode: Literal["tokens", "text"] = "tokens"
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_CHARS)
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        sp = self.sampling_params
+        stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+        return _sampling({"n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p,
+                          "top_k": 0 if sp.top_k == -1 else sp.top_k, "seed": sp.seed, "stop": stops,
+                          "stop_token_ids": sp.stop_token_ids or [], "max_tokens": max_tokens,
+                          "logprobs": max(sp.logprobs or 0, 0),
+                          "prompt_logprobs": None if sp.prompt_logprobs is None else max(sp.prompt_logprobs, 0)},
+                         "sampling_params.")

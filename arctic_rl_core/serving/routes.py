@@ -1,0 +1,414 @@
+"""The OpenAI- and vLLM-compatible routes, on the job's own sampler, weights and episode capture.
+
+- `/v1/completions`, `/v1/chat/completions` (OpenAI's schema, vLLM's extensions: `return_token_ids`,
+  `return_tokens_as_token_ids`, `prompt_logprobs`), streamed as server-sent events on request;
+- `/inference/v1/generate`: vLLM 0.32's token-in, token-out route (SkyRL's and PrimeRL's rollouts);
+- `/v1/models`, `/health`, and the RL control routes `/pause`, `/resume`, `/is_paused`, `/update_weights`
+  (the job's `sync_weights`), `/weight_info`, `/get_world_size`.
+
+Every completion reports the weight version that sampled it as vLLM's `weight_versions` spans. A request
+naming a session (`session_id`, or the `X-Session-Id` header) records its prompt's token ids and its
+completions as turns of that episode, which the training API's `episode` call returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.serving.pause import Aborted, PauseGate, PauseMode
+from arctic_rl_core.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenGenerateRequest,
+    parse_request,
+)
+from arctic_rl_core.serving.text import TextCodec
+from arctic_rl_core.types import SESSION_ID_CHARS, Completion, GenerateRequest, SamplingParams
+
+SESSION_HEADER = "x-session-id"
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this server does not serve (HTTP 404)."""
+
+
+@dataclass
+class Sampled:
+    """One request's completions, or None for each prompt's choices if it was aborted."""
+
+    prompts: list[list[int]]
+    completions: list[Completion] | None
+    n: int
+
+    @property
+    def usage(self) -> dict:
+        prompt = sum(map(len, self.prompts))
+        completion = sum(len(c.token_ids) for c in self.completions or [])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def choices(self) -> list[tuple[int, Completion | None]]:
+        """(choice index, completion) in OpenAI's order: prompt by prompt, n each."""
+        if self.completions is None:
+            return [(i, None) for i in range(len(self.prompts) * self.n)]
+        return list(enumerate(self.completions))
+
+
+def _spans(c: Completion) -> list[dict]:
+    return [{"version": str(c.weight_version), "start": 0, "end": len(c.token_ids)}]
+
+
+@dataclass
+class Serving:
+    """The serving surface's state on one server."""
+
+    served_model_name: str | None
+    gate: PauseGate = field(default_factory=PauseGate)
+    requests: dict[str, int] = field(default_factory=lambda: {"completions": 0, "chat": 0, "generate": 0})
+    _codec: tuple[Any, TextCodec] | None = None
+
+    def codec(self, api) -> TextCodec:
+        if self._codec is None or self._codec[0] is not api:
+            self._codec = (api, TextCodec(api.config.model_path))
+        return self._codec[1]
+
+    def model_name(self, api) -> str:
+        return self.served_model_name or api.config.model_path
+
+    def describe(self) -> dict:
+        return {"requests": dict(self.requests), **self.gate.describe()}
+
+
+def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[], Any],
+                       read_json: Callable[[Request], Awaitable[Any]], limits, run_in) -> None:
+    """`api_of()` is the job's training API (or the server's error for no job); `read_json` reads a request's
+    body within the server's caps; `run_in(executor, fn)` runs training-state work on the job's ordered worker."""
+
+    def check_model(api, name: str | None) -> str:
+        served = serving.model_name(api)
+        if name is not None and name != served:
+            raise ModelNotFound("model", f"the model {name!r} does not exist; this server serves {served!r}")
+        return served
+
+    def session_of(request: Request, body_session: str | None) -> str | None:
+        header = request.headers.get(SESSION_HEADER)
+        if body_session is None and header is not None:
+            if not 0 < len(header) <= SESSION_ID_CHARS:
+                raise InvalidRequest(SESSION_HEADER, f"must be 1 to {SESSION_ID_CHARS} characters")
+            return header
+        return body_session
+
+    def max_tokens(api, requested: int | None, prompts: list[list[int]]) -> int:
+        """What was asked, or (chat, token route) the rest of the context within the server's cap."""
+        if requested is not None:
+            return requested
+        room = api.sampler.max_context - max(map(len, prompts))
+        if room < 1:
+            raise InvalidRequest("max_tokens", f"the prompt fills the model's context ({api.sampler.max_context} tokens)")
+        return min(room, limits.max_tokens)
+
+    async def sample(api, route: str, prompts: list[list[int]], sampling: SamplingParams, session: str | None,
+                     fields: Callable[[str], str]) -> Sampled:
+        """Generate on the job's sampler (one pool, one weight version with `generate`); capture if asked.
+        Errors name the route's own fields."""
+        try:
+            query = GenerateRequest(prompts=prompts, sampling=sampling)
+            limits.check("generate", query)
+            async with serving.gate.admitted() as abort:
+                work = asyncio.wrap_future(job.reads.submit(api.generate, prompts, sampling))
+                try:
+                    completions = await serving.gate.run(abort, work)
+                except Aborted:
+                    completions = None
+        except InvalidRequest as err:
+            raise type(err)(fields(err.field), err.message) from None
+        serving.requests[route] += 1
+        if session is not None and completions is not None:
+            api.trajectories.record(session, prompts, completions)
+        return Sampled(prompts, completions, sampling.n)
+
+    def respond(payload: dict, stream: bool, chunks: Callable[[dict], list[dict]]):
+        if not stream:
+            return JSONResponse(payload)
+
+        async def events():
+            for chunk in chunks(payload):
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # -- models and health -------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        api_of()
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        api = api_of()
+        return {"object": "list", "data": [{
+            "id": serving.model_name(api), "object": "model", "created": int(time.time()), "owned_by": "arctic-rl",
+            "root": api.config.model_path, "max_model_len": api.sampler.max_context}]}
+
+    # -- OpenAI completions ------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse_request(CompletionRequest, await read_json(request))
+        api = api_of()
+        model = check_model(api, req.model)
+        codec = serving.codec(api)
+        prompt = req.prompt
+        if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise InvalidRequest("prompt", "must hold at least one prompt")
+        prompts = [p if isinstance(p, list) else codec.encode(p, req.add_special_tokens, "prompt") for p in prompt]
+        many = len(prompts) > 1
+        sampled = await sample(api, "completions", prompts, req.sampling(req.max_tokens or 16, req.logprobs or 0),
+                               session_of(request, req.session_id),
+                               lambda f: _renamed(f, "prompt", many))
+        choices = []
+        for index, c in sampled.choices():
+            prompt_ids = prompts[index // req.n]
+            if c is None:
+                choices.append({"index": index, "text": "", "logprobs": None, "finish_reason": "abort", "stop_reason": None,
+                                "token_ids": [] if req.return_token_ids else None})
+                continue
+            text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [], req.include_stop_str_in_output,
+                                                    req.skip_special_tokens)
+            choices.append({
+                "index": index, "text": text, "finish_reason": c.finish_reason, "stop_reason": stop_reason,
+                "logprobs": _completion_logprobs(codec, c, req.return_tokens_as_token_ids) if req.logprobs is not None else None,
+                "token_ids": c.token_ids if req.return_token_ids else None,
+                "prompt_token_ids": prompt_ids if req.return_token_ids else None,
+                "prompt_logprobs": _prompt_logprobs(codec, c, prompt_ids),
+                "weight_versions": _spans(c)})
+        payload = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                   "model": model, "choices": choices, "usage": sampled.usage}
+
+        def chunks(p):
+            out = [{**{k: p[k] for k in ("id", "object", "created", "model")}, "choices": [choice]}
+                   for choice in p["choices"]]
+            if req.stream_options and req.stream_options.include_usage:
+                out.append({**{k: p[k] for k in ("id", "object", "created", "model")}, "choices": [],
+                            "usage": p["usage"]})
+            return out
+        return respond(payload, req.stream, chunks)
+
+    # -- OpenAI chat completions -------------------------------------------------------------------
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse_request(ChatCompletionRequest, await read_json(request))
+        api = api_of()
+        model = check_model(api, req.model)
+        codec = serving.codec(api)
+        prompt_ids = codec.render_chat(req.messages, req.tools if req.tool_choice != "none" else None,
+                                       req.add_generation_prompt, req.chat_template_kwargs)
+        if req.top_logprobs and not req.logprobs:
+            raise InvalidRequest("top_logprobs", "needs logprobs: true")
+        sampling = req.sampling(max_tokens(api, req.max_completion_tokens or req.max_tokens, [prompt_ids]),
+                                req.top_logprobs or 0)
+        sampled = await sample(api, "chat", [prompt_ids], sampling, session_of(request, req.session_id),
+                               lambda f: _renamed(f, "messages", False))
+        choices = []
+        for index, c in sampled.choices():
+            if c is None:
+                choices.append({"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": "abort", "stop_reason": None,
+                                "token_ids": [] if req.return_token_ids else None})
+                continue
+            text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [], req.include_stop_str_in_output,
+                                                    req.skip_special_tokens)
+            choices.append({
+                "index": index, "message": {"role": "assistant", "content": text},
+                "logprobs": {"content": _chat_logprobs(codec, c, req.return_tokens_as_token_ids)} if req.logprobs else None,
+                "finish_reason": c.finish_reason, "stop_reason": stop_reason,
+                "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c)})
+        first = sampled.completions[0] if sampled.completions else None
+        payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                   "model": model, "choices": choices, "usage": sampled.usage,
+                   "prompt_token_ids": prompt_ids if req.return_token_ids else None,
+                   "prompt_logprobs": _prompt_logprobs(codec, first, prompt_ids) if first else None}
+
+        def chunks(p):
+            head = {"id": p["id"], "object": "chat.completion.chunk", "created": p["created"], "model": p["model"]}
+            out = []
+            for choice in p["choices"]:
+                i = choice["index"]
+                out.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]})
+                out.append({**head, "choices": [{"index": i, "delta": {"content": choice["message"]["content"]},
+                                                 "logprobs": choice["logprobs"], "finish_reason": None,
+                                                 "token_ids": choice["token_ids"]}]})
+                out.append({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                 "finish_reason": choice["finish_reason"],
+                                                 "stop_reason": choice["stop_reason"],
+                                                 "weight_versions": choice.get("weight_versions")}]})
+            if req.stream_options and req.stream_options.include_usage:
+                out.append({**head, "choices": [], "usage": p["usage"]})
+            if p["prompt_token_ids"] is not None:
+                out[0]["prompt_token_ids"] = p["prompt_token_ids"]
+            return out
+        return respond(payload, req.stream, chunks)
+
+    # -- vLLM's token-in, token-out route ----------------------------------------------------------
+
+    @app.post("/inference/v1/generate")
+    async def generate_tokens(request: Request):
+        req = parse_request(TokenGenerateRequest, await read_json(request))
+        api = api_of()
+        model = check_model(api, req.model)
+        if req.output_mode == "text" and not req.sampling_params.detokenize:
+            raise InvalidRequest("output_mode", "'text' needs sampling_params.detokenize true")
+        sampling = req.sampling(max_tokens(api, req.sampling_params.max_tokens, [req.token_ids]))
+        sampled = await sample(api, "generate", [req.token_ids], sampling, session_of(request, req.session_id),
+                               lambda f: _renamed(f, "token_ids", False, sampling_prefix="sampling_params."))
+        codec = serving.codec(api) if req.output_mode == "text" else None
+        stops = req.sampling_params.stop
+        stops = [stops] if isinstance(stops, str) else list(stops or [])
+        choices = []
+        for index, c in sampled.choices():
+            if c is None:
+                choices.append({"index": index, "finish_reason": "abort", "stop_reason": None, "token_ids": [],
+                                "logprobs": None, **({"text": ""} if codec else {})})
+                continue
+            choice = {"index": index, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                      "weight_versions": _spans(c), "stop_reason": None,
+                      "logprobs": ({"content": _token_logprobs(c)} if req.sampling_params.logprobs is not None else None)}
+            if codec is not None:
+                choice["text"], choice["stop_reason"] = codec.finished_text(
+                    c, stops, req.sampling_params.stop_token_ids or [], req.sampling_params.include_stop_str_in_output,
+                    req.sampling_params.skip_special_tokens)
+                if choice["logprobs"] is not None:
+                    choice["logprobs"] = {"content": _chat_logprobs(codec, c, False)}
+            elif c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in (req.sampling_params.stop_token_ids or []):
+                choice["stop_reason"] = c.token_ids[-1]
+            choices.append(choice)
+        first = sampled.completions[0] if sampled.completions else None
+        payload = {"request_id": req.request_id or uuid.uuid4().hex, "model": model, "created": int(time.time()),
+                   "output_mode": req.output_mode, "usage": sampled.usage, "prompt_token_ids": req.token_ids,
+                   "prompt_logprobs": _vllm_prompt_logprobs(first) if first else None, "choices": choices}
+
+        def chunks(p):
+            out = [{"request_id": p["request_id"], "output_mode": p["output_mode"], "choices": [choice],
+                    **({"prompt_token_ids": p["prompt_token_ids"]} if i == 0 and req.return_token_ids else {})}
+                   for i, choice in enumerate(p["choices"])]
+            if req.stream_options and req.stream_options.include_usage:
+                out.append({"request_id": p["request_id"], "output_mode": p["output_mode"], "choices": [],
+                            "usage": p["usage"]})
+            return out
+        return respond(payload, bool(req.stream), chunks)
+
+    # -- RL control ----------------------------------------------------------------------------------
+
+    @app.post("/pause")
+    async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True)):
+        await serving.gate.pause(mode)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        serving.gate.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": serving.gate.paused}
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        body = await read_json(request)
+        if body:
+            raise InvalidRequest(next(iter(body)) if isinstance(body, dict) else "body",
+                                 "this server's weights come from its own trainer: update_weights takes no body and "
+                                 "syncs them (sync_weights)")
+        api = api_of()
+        version = await run_in(job.ordered, api.sync_weights)
+        return {"message": "Weights updated", "weight_version": version}
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return {"weight_version": str(api_of().weight_version)}
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = Query(True)):
+        sampler = api_of().config.sampler
+        tensor_parallel = int(sampler.engine_args.get("tensor_parallel_size", 1))
+        return {"world_size": tensor_parallel * (sampler.replicas if include_dp else 1)}
+
+
+def _renamed(field_: str, prompt_field: str, indexed: bool, sampling_prefix: str = "") -> str:
+    """A `generate` field as the route names it: prompts[i] -> the prompt field, sampling.x -> x."""
+    if field_.startswith("prompts"):
+        return prompt_field + (field_[len("prompts"):] if indexed else "")
+    if field_.startswith("sampling."):
+        return sampling_prefix + field_[len("sampling."):]
+    if field_ == "sampling":
+        return sampling_prefix.rstrip(".") or "max_tokens"
+    return field_
+
+
+def _top(codec: TextCodec, pairs, as_id: bool) -> list[dict]:
+    return [{"token": codec.token_text(t, as_id), "logprob": lp,
+             "bytes": list(codec.token_text(t, False).encode())} for t, lp in pairs]
+
+
+def _chat_logprobs(codec: TextCodec, c: Completion, as_id: bool) -> list[dict]:
+    tops = c.top_logprobs or [[] for _ in c.token_ids]
+    return [{"token": codec.token_text(t, as_id), "logprob": lp, "bytes": list(codec.token_text(t, False).encode()),
+             "top_logprobs": _top(codec, top, as_id)} for t, lp, top in zip(c.token_ids, c.logprobs, tops)]
+
+
+def _completion_logprobs(codec: TextCodec, c: Completion, as_id: bool) -> dict:
+    tokens = [codec.token_text(t, as_id) for t in c.token_ids]
+    offsets, at = [], 0
+    for t in c.token_ids:
+        offsets.append(at)
+        at += len(codec.token_text(t, False))
+    tops = None
+    if c.top_logprobs is not None:
+        tops = [{codec.token_text(t, as_id): lp for t, lp in [(tok, own)] + list(top)}
+                for tok, own, top in zip(c.token_ids, c.logprobs, c.top_logprobs)]
+    return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _ranked(entries) -> dict:
+    """vLLM's `{token_id: Logprob}` for one prompt position: the token itself first, then the top k ranked."""
+    own, top = entries[0], entries[1:]
+    out = {}
+    for rank, (t, lp) in enumerate(top, start=1):
+        out[t] = {"logprob": lp, "rank": rank}
+    out.setdefault(own[0], {"logprob": own[1], "rank": None})
+    return out
+
+
+def _vllm_prompt_logprobs(c: Completion) -> list | None:
+    if c.prompt_logprobs is None:
+        return None
+    return [None] + [_ranked(entries) for entries in c.prompt_logprobs]
+
+
+def _prompt_logprobs(codec: TextCodec, c: Completion | None, prompt_ids: list[int]) -> list | None:
+    if c is None or c.prompt_logprobs is None:
+        return None
+    return [None] + [{str(t): {**v, "decoded_token": codec.token_text(t, False)} for t, v in _ranked(e).items()}
+                     for e in c.prompt_logprobs]
+
+
+def _token_logprobs(c: Completion) -> list[dict]:
+    """vLLM's `GenerateLogProbsContent`, with the `token` as "token_id:<id>" as PrimeRL's renderers client reads."""
+    tops = c.top_logprobs or [[] for _ in c.token_ids]
+    return [{"token_id": t, "logprob": lp, "token": f"token_id:{t}",
+             "top_logprobs": [{"token_id": a, "logprob": b, "rank": r} for r, (a, b) in enumerate(top, start=1)]}
+            for t, lp, top in zip(c.token_ids, c.logprobs, tops)]

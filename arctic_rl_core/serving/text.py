@@ -1,0 +1,65 @@
+"""Text in and out of the served model: its tokenizer and chat template.
+
+Prompts are rendered once, here, and the token ids the sampler saw are what a
+captured episode records; text is only ever produced from sampled ids, never
+turned back into ids for training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.types import Completion
+
+
+class TextCodec:
+    def __init__(self, model_path: str):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if not ids:
+            raise InvalidRequest(field, "renders to no tokens")
+        return list(ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
+                    template_kwargs: dict[str, Any] | None) -> list[int]:
+        """The prompt's token ids by the model's own chat template; a list it cannot render is refused."""
+        from jinja2 import TemplateError
+
+        if not self.tokenizer.chat_template:
+            raise InvalidRequest("messages", "the served model's tokenizer has no chat template; use /v1/completions")
+        for i, message in enumerate(messages):
+            if not isinstance(message.get("role"), str):
+                raise InvalidRequest(f"messages[{i}].role", "every message needs a role")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **(template_kwargs or {}))
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
+            raise InvalidRequest("messages", f"the model's chat template cannot render them: {err}") from None
+        # The template writes any special tokens itself: tokenizing adds none.
+        return self.encode(text, add_special_tokens=False, field="messages")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int, as_id: bool) -> str:
+        return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id])
+
+    def finished_text(self, completion: Completion, stops: list[str], stop_token_ids: list[int],
+                      include_stop: bool, skip_special_tokens: bool) -> tuple[str, int | str | None]:
+        """The completion's text, cut before a stop string it ends with (as vLLM does: the token ids keep
+        every sampled token), and what stopped it: the stop string or token id; None for EOS or length."""
+        text = self.decode(completion.token_ids, skip_special_tokens)
+        if completion.finish_reason != "stop":
+            return text, None
+        if completion.token_ids and completion.token_ids[-1] in stop_token_ids:
+            return text, completion.token_ids[-1]
+        hits = [(text.find(s), s) for s in stops if s and s in text]
+        if not hits:
+            return text, None
+        at, stop = min(hits)
+        return (text[: at + len(stop)] if include_stop else text[:at]), stop

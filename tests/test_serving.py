@@ -1,0 +1,244 @@
+"""The OpenAI- and vLLM-compatible routes, driven by the real clients: the `openai` SDK and vLLM's own
+request and response models for `/inference/v1/generate`."""
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.engines.distributed import free_loopback_port
+from arctic_rl_core.server.app import ServerSettings
+from arctic_rl_core.server.run import ServerThread
+from tests.conftest import LIGHT_SAMPLER
+
+MODEL = "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    config = BackendConfig.model_validate({"model_path": tiny_model, "sampler": LIGHT_SAMPLER,
+                                           "engine": {"learning_rate": 1e-2}})
+    thread = ServerThread(ServerSettings(port=free_loopback_port(), served_model_name=MODEL), config)
+    url = thread.__enter__()
+    yield url, thread.app.state.job.api
+    thread.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def sdk(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_return_the_sampled_token_ids_and_their_log_probs(server, sdk, tiny_model):
+    from transformers import AutoTokenizer
+
+    url, backend = server
+    out = sdk.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, n=2, seed=3, logprobs=2,
+                                 extra_body={"return_token_ids": True, "prompt_logprobs": 1})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tokenizer("The quick brown fox")["input_ids"]
+    assert len(out.choices) == 2 and out.usage.prompt_tokens == len(prompt)
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in out.choices)
+    for choice in out.choices:
+        assert choice.prompt_token_ids == prompt
+        assert choice.text == tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        assert len(choice.logprobs.token_logprobs) == len(choice.token_ids)
+        assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)
+        assert choice.weight_versions == [{"version": "0", "start": 0, "end": len(choice.token_ids)}]
+        # The reported log-probs are the sampler's own: scoring the same tokens gives them back.
+        scored = backend.log_probs([{"prompt_ids": prompt, "response_ids": choice.token_ids}], source="sampler").logprobs[0]
+        assert choice.logprobs.token_logprobs == pytest.approx(scored, abs=1e-4)
+        # vLLM's prompt_logprobs: None for the first prompt token, then each token's own log-prob.
+        assert choice.prompt_logprobs[0] is None and len(choice.prompt_logprobs) == len(prompt)
+        own = [entry[str(t)]["logprob"] for entry, t in zip(choice.prompt_logprobs[1:], prompt[1:])]
+        whole = backend.log_probs([{"prompt_ids": prompt[:1], "response_ids": prompt[1:]}], source="sampler").logprobs[0]
+        assert own == pytest.approx(whole, abs=1e-4)
+    # Token-id prompts are taken as they are, and tokens can be named by id.
+    ids = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=3, logprobs=0,
+                                 extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    assert ids.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids.choices[0].token_ids]
+
+
+def test_chat_renders_with_the_model_template_and_streams(server, sdk, tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "What is the capital of France?"}]
+    out = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, logprobs=True, top_logprobs=3,
+                                      extra_body={"return_token_ids": True})
+    assert out.prompt_token_ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    choice = out.choices[0]
+    assert choice.message.role == "assistant"
+    assert [e.logprob for e in choice.logprobs.content] and len(choice.logprobs.content) == len(choice.token_ids)
+    assert all(len(e.top_logprobs) == 3 for e in choice.logprobs.content)
+
+    stream = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, n=2, seed=11, stream=True,
+                                         stream_options={"include_usage": True})
+    text, finish, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    whole = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, n=2, seed=11)
+    assert text == {c.index: c.message.content for c in whole.choices}  # the same seed samples the same
+    assert set(finish) == {0, 1} and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings_cut_the_text_but_not_the_token_ids(server, sdk):
+    base = sdk.completions.create(model=MODEL, prompt="SELECT name FROM", max_tokens=8, seed=5,
+                                  extra_body={"return_token_ids": True})
+    text = base.choices[0].text
+    found = re.search(r"[A-Za-z0-9]{2}", text[1:])  # whole characters (a random model's bytes may not be)
+    assert found, f"no stop string to pick from {text!r}"
+    stop = found.group()
+    out = sdk.completions.create(model=MODEL, prompt="SELECT name FROM", max_tokens=8, seed=5, stop=[stop],
+                                 extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == stop
+    assert choice.text == text[: text.find(stop)]
+    assert choice.token_ids == base.choices[0].token_ids[: len(choice.token_ids)]
+
+
+def test_the_token_route_speaks_vllms_own_schema(server):
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateTokensResponse
+    from vllm.sampling_params import SamplingParams
+
+    url, backend = server
+    prompt = [11, 42, 7, 99, 5]
+    request = GenerateRequest(token_ids=prompt, model=MODEL,
+                              sampling_params=SamplingParams(n=2, max_tokens=4, temperature=1.0, logprobs=1, seed=2))
+    raw = httpx.post(f"{url}/inference/v1/generate", json=request.model_dump(mode="json"), timeout=60)
+    assert raw.status_code == 200, raw.text
+    response = GenerateTokensResponse.model_validate(raw.json())
+    assert response.request_id == request.request_id and response.prompt_token_ids == prompt
+    assert len(response.choices) == 2
+    for choice in response.choices:
+        assert len(choice.logprobs.content) == len(choice.token_ids) <= 4
+        assert [e.token_id for e in choice.logprobs.content] == choice.token_ids
+        assert choice.weight_versions[0].version == str(backend.weight_version)
+        # PrimeRL's renderers client reads each entry's token as "token_id:<id>".
+    assert all(e["token"] == f"token_id:{e['token_id']}" for c in raw.json()["choices"] for e in c["logprobs"]["content"])
+
+
+def test_bad_input_is_a_4xx_in_openais_error_shape(server, sdk):
+    url, _ = server
+    with pytest.raises(openai.NotFoundError) as err:
+        sdk.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert err.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, presence_penalty=0.5)
+    assert err.value.body["param"] == "presence_penalty"
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"mirostat": 1})
+    assert err.value.body["param"] == "mirostat"
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)
+    assert err.value.body["param"] == "messages" and "chat template" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(model=MODEL, prompt=[1, 2, 10**6], max_tokens=2)
+    assert err.value.body["param"] == "prompt"
+    token_route = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [1, -1], "sampling_params": {}})
+    assert token_route.status_code == 400 and token_route.json()["error"]["param"].startswith("token_ids")
+    token_route = httpx.post(f"{url}/inference/v1/generate",
+                             json={"token_ids": [1, 2], "sampling_params": {"min_p": 0.1}})
+    assert token_route.status_code == 400 and token_route.json()["error"]["param"] == "sampling_params.min_p"
+    over = sdk.completions.with_raw_response  # a cap of the server's, named by the route's own field
+    with pytest.raises(openai.APIStatusError) as err:
+        over.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    assert err.value.status_code == 413 and err.value.body["param"] == "max_tokens"
+    with pytest.raises(Exception) as err:
+        ArcticRLClient(url, retries=0).episode("never-recorded")
+    assert "never-recorded" in str(err.value)
+    assert httpx.post(f"{url}/v1/episode", json={"session": "never-recorded"}).status_code == 404
+
+
+def test_update_weights_syncs_and_completions_report_the_new_version(server, sdk):
+    url, backend = server
+    backend.fwd_bwd([{"prompt_ids": [5, 6, 7], "response_ids": [8, 9], "advantages": [1.0, 1.0]}], "sft")
+    backend.step()
+    before = backend.weight_version
+    answer = httpx.post(f"{url}/update_weights", timeout=60).json()
+    assert answer["weight_version"] == before + 1 == backend.weight_version
+    assert httpx.get(f"{url}/weight_info").json() == {"weight_version": str(before + 1)}
+    out = sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert out.choices[0].weight_versions[0]["version"] == str(before + 1)
+    assert httpx.get(f"{url}/get_world_size").json() == {"world_size": 1}
+    refused = httpx.post(f"{url}/update_weights", json={"update_info": {"names": ["x"]}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "update_info"
+
+
+def _slow_generate(backend, seconds):
+    """The sampler takes `seconds` per call (a long generation), without changing what it returns."""
+    real = backend.sampler.generate
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+    backend.sampler.generate = slow
+    return lambda: setattr(backend.sampler, "generate", real)
+
+
+def _in_thread(fn):
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("out", fn()))
+    thread.start()
+    return thread, box
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_pause_aborts_or_drains_in_flight_requests_and_holds_new_ones(server, mode):
+    url, backend = server
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "return_token_ids": True}
+    restore = _slow_generate(backend, 1.0)
+    try:
+        flight, box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=30).json())
+        time.sleep(0.3)
+        started = time.monotonic()
+        assert httpx.post(f"{url}/pause", params={"mode": mode}, timeout=30).json() == {"status": "paused"}
+        paused_for = time.monotonic() - started
+        assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
+        held, held_box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=30).json())
+        flight.join(timeout=30)
+        choice = box["out"]["choices"][0]
+        if mode == "abort":
+            assert choice["finish_reason"] == "abort" and choice["token_ids"] == [] and paused_for < 0.5
+        else:
+            assert choice["finish_reason"] in ("stop", "length") and choice["token_ids"]
+            assert (paused_for > 0.4) == (mode == "wait")
+        time.sleep(0.3)
+        assert held.is_alive(), "a request that arrived while paused must wait for resume"
+        assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
+        held.join(timeout=30)
+        assert held_box["out"]["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        restore()
+        httpx.post(f"{url}/resume")
+    assert httpx.get(f"{url}/v1/status").json()["serving"]["paused"] is False
+
+
+def test_routes_are_counted_in_status_and_need_the_token_off_loopback(tiny_model):
+    config = BackendConfig.model_validate({"model_path": tiny_model, "sampler": LIGHT_SAMPLER})
+    with ServerThread(ServerSettings(port=free_loopback_port(), token="s3cret"), config) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            sdk.models.list()
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        [card] = sdk.models.list().data
+        assert card.id == tiny_model and card.max_model_len == 256
+        sdk.completions.create(model=tiny_model, prompt="hi", max_tokens=2)
+        sdk.chat.completions.create(model=tiny_model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        headers = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(f"{url}/health", headers=headers).status_code == 200
+        status = httpx.get(f"{url}/v1/status", headers=headers).json()
+        assert status["serving"]["requests"] == {"completions": 1, "chat": 1, "generate": 0}
+        assert status["backend"]["generated"]["calls"] == 2  # the same sampler as the training API's generate
+    assert json.dumps(status)  # plain JSON
