@@ -5,6 +5,7 @@ import json
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -174,6 +175,31 @@ def test_update_weights_syncs_and_completions_report_the_new_version(server, sdk
     assert httpx.get(f"{url}/get_world_size").json() == {"world_size": 1}
     refused = httpx.post(f"{url}/update_weights", json={"update_info": {"names": ["x"]}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "update_info"
+
+
+def test_concurrent_requests_are_sampled_in_one_call_each_answered_on_its_own(server):
+    url, backend = server
+    calls = []
+    real = backend.sampler.generate
+
+    def counted(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        time.sleep(0.2)  # the sampler is busy: requests arriving meanwhile are gathered
+        return real(prompts, *args, **kwargs)
+    backend.sampler.generate = counted
+    prompts = [[7 + i, 8, 9, 10 + i] for i in range(8)] + [[1, 2, 10**6]]  # the last is out of the vocabulary
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": p, "max_tokens": 3, "return_token_ids": True}), prompts))
+    finally:
+        backend.sampler.generate = real
+    assert [a.status_code for a in answers] == [200] * 8 + [400]
+    assert answers[-1].json()["error"]["param"] == "prompt"
+    for prompt, answer in zip(prompts, answers[:8]):
+        [choice] = answer.json()["choices"]
+        assert choice["prompt_token_ids"] == prompt and 1 <= len(choice["token_ids"]) <= 3
+    assert sum(calls) >= 8 and len(calls) < 8, calls  # batched: fewer sampler calls than requests
 
 
 def _slow_generate(backend, seconds):

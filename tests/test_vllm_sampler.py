@@ -90,3 +90,12 @@ def test_trainer_and_sampler_agree_for_softcapped_and_scaled_logit_families(tiny
     assert result["stale_err"] > 1e-2
     assert result["synced_err"] <= 1e-3 and result["second_synced_err"] <= 1e-3
     assert result["behaviour_err"] <= 1e-3
+
+
+@pytest.mark.scenario
+def test_serving_routes_report_the_vllm_samplers_own_log_probs(tiny_model):
+    result = run_scenario("serving", tiny_model)
+    assert result["sampled_err"] < 1e-3 and result["prompt_err"] < 1e-3
+    assert result["top_sizes"] in ([3], [3, 4], [4]) and result["top_ordered"]
+    assert result["prompt_ranks"] in ([2], [2, 3], [3])
+    assert result["captured"]

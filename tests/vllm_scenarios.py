@@ -136,6 +136,44 @@ def bad_input(model_dir):
             "seeded_batch": [len(first), [c.token_ids for c in first] == [c.token_ids for c in again]]}
 
 
+def serving(model_dir):
+    """The OpenAI- and vLLM-compatible routes on a vLLM sampler: what its log-probs report is the trainer's."""
+    import httpx
+    import openai
+
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    api = backend(model_dir)
+    result = {}
+    with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda config: api) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        out = sdk.completions.create(model=model_dir, prompt=[11, 42, 7, 99, 5, 23], max_tokens=6, n=2, seed=4,
+                                     logprobs=3, extra_body={"return_token_ids": True, "prompt_logprobs": 2,
+                                                             "return_tokens_as_token_ids": True})
+        prompt = out.choices[0].prompt_token_ids
+        seqs = [{"prompt_ids": prompt, "response_ids": c.token_ids} for c in out.choices]
+        result["sampled_err"] = max_err([c.logprobs.token_logprobs for c in out.choices], api.log_probs(seqs).logprobs)
+        tops = [[dict(top) for top in c.logprobs.top_logprobs] for c in out.choices]
+        # Each position's alternatives: the sampled token and the 3 most likely, most likely first.
+        result["top_sizes"] = sorted({len(top) for c in tops for top in c})
+        result["top_ordered"] = all(
+            max(top.values()) >= lp for c, choice in zip(tops, out.choices)
+            for top, lp in zip(c, choice.logprobs.token_logprobs))
+        own = [entry[str(t)]["logprob"] for entry, t in zip(out.choices[0].prompt_logprobs[1:], prompt[1:])]
+        trainer = api.log_probs([{"prompt_ids": prompt[:1], "response_ids": prompt[1:]}]).logprobs
+        result["prompt_err"] = max_err([own], trainer)
+        result["prompt_ranks"] = sorted({len(e) for e in out.choices[0].prompt_logprobs[1:]})
+        tokens = httpx.post(f"{url}/inference/v1/generate", timeout=120, headers={"X-Session-Id": "s"}, json={
+            "token_ids": prompt, "sampling_params": {"max_tokens": 5, "logprobs": 1, "seed": 1}}).json()
+        [turn] = api.episode("s").turns
+        choice = tokens["choices"][0]
+        result["captured"] = (turn.prompt_ids == prompt and turn.token_ids == choice["token_ids"]
+                              and turn.logprobs == [e["logprob"] for e in choice["logprobs"]["content"]])
+    return result
+
+
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
     from transformers.utils import logging as hf_logging
@@ -143,5 +181,5 @@ if __name__ == "__main__":
     select_accelerator()
     hf_logging.disable_progress_bar()
     scenario, model_dir, *rest = sys.argv[1:]
-    result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input}[scenario](model_dir, *rest)
+    result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

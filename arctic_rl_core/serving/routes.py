@@ -24,6 +24,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.serving.coalesce import Coalescer
 from arctic_rl_core.serving.pause import Aborted, PauseGate, PauseMode
 from arctic_rl_core.serving.protocol import (
     ChatCompletionRequest,
@@ -74,17 +75,28 @@ class Serving:
     gate: PauseGate = field(default_factory=PauseGate)
     requests: dict[str, int] = field(default_factory=lambda: {"completions": 0, "chat": 0, "generate": 0})
     _codec: tuple[Any, TextCodec] | None = None
+    _coalescer: tuple[Any, Coalescer] | None = None
 
     def codec(self, api) -> TextCodec:
         if self._codec is None or self._codec[0] is not api:
             self._codec = (api, TextCodec(api.config.model_path))
         return self._codec[1]
 
+    def coalescer(self, api, executor) -> Coalescer:
+        """The job's sampler takes concurrent requests as one call; a pool of replicas takes several calls."""
+        if self._coalescer is None or self._coalescer[0] is not api:
+            def generate(prompts, sampling):
+                return asyncio.wrap_future(executor.submit(api.generate, prompts, sampling))
+            self._coalescer = (api, Coalescer(generate, max_in_flight=2 * api.config.sampler.replicas
+                                              if api.sampler.concurrent_generate else 1))
+        return self._coalescer[1]
+
     def model_name(self, api) -> str:
         return self.served_model_name or api.config.model_path
 
     def describe(self) -> dict:
-        return {"requests": dict(self.requests), **self.gate.describe()}
+        return {"requests": dict(self.requests), **self.gate.describe(),
+                "generate_calls": self._coalescer[1].calls if self._coalescer else 0}
 
 
 def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[], Any],
@@ -123,7 +135,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             query = GenerateRequest(prompts=prompts, sampling=sampling)
             limits.check("generate", query)
             async with serving.gate.admitted() as abort:
-                work = asyncio.wrap_future(job.reads.submit(api.generate, prompts, sampling))
+                work = asyncio.ensure_future(serving.coalescer(api, job.reads).generate(prompts, sampling))
                 try:
                     completions = await serving.gate.run(abort, work)
                 except Aborted:

@@ -12,6 +12,7 @@ from arctic_rl_core.plugins import Command, hookimpl
 BENCHMARKS = {
     "zorro": "fwd_bwd and log_probs with ZoRRo off vs on",
     "server": "HTTP round-trip latency, payload throughput and fwd_bwd request overhead over loopback",
+    "serve": "requests/s and tokens/s through /v1/completions vs the direct generate call, on one sampler",
     "sync": "sync_weights time and GB/s per path and model size, beside memcpy",
     "scale": "generate with 1 vs 2 sampler replicas, fwd_bwd with 1 vs 2 trainer ranks, the driver's per-call overhead",
     "e2e": "seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async",
