@@ -7,10 +7,14 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from arctic_rl_core.backend import InProcessBackend
+from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.server.app import ServerSettings
+from arctic_rl_core.server.run import ServerThread
 
 pytestmark = pytest.mark.scenario
 
@@ -67,6 +71,21 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
         assert [(row["replica"], row["bundle"], row["healthy"], row["weight_version"])
                 for row in status["sampler"]] == [(0, 0, True, 1), (1, 1, True, 1)]
         assert len({row["pid"] for row in status["trainer"] + status["sampler"]}) == 4
+
+        # The serving routes on the same pool: concurrent requests, coalesced, dealt to the replicas, captured.
+        with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda c: api) as url:
+            def ask(i):
+                return httpx.post(f"{url}/v1/completions", timeout=120, headers={"X-Session-Id": f"s{i}"}, json={
+                    "model": tiny_model, "prompt": PROMPTS[i], "max_tokens": 4, "logprobs": 2,
+                    "return_token_ids": True}).json()
+            with ThreadPoolExecutor(len(PROMPTS)) as threads:
+                answers = list(threads.map(ask, range(len(PROMPTS))))
+            for i, answer in enumerate(answers):
+                [choice] = answer["choices"]
+                assert choice["weight_versions"][0]["version"] == "1"
+                assert all(len(top) >= 2 for top in choice["logprobs"]["top_logprobs"])
+                [turn] = api.episode(f"s{i}").turns
+                assert (turn.prompt_ids, turn.token_ids) == (PROMPTS[i], choice["token_ids"])
     finally:
         api.close()
     assert not ray.is_initialized()
