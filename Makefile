@@ -31,6 +31,7 @@ scenarios: install
 # Compatibility tests against the real frameworks, each in its own environment (compat_tests/).
 compat: install
 	compat_tests/verl/run.sh
+	compat_tests/primerl/run.sh
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
