@@ -164,8 +164,8 @@ class InProcessBackend(TrainingAPI):
 
     # -- the API -------------------------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
-                 session: str | None = None) -> list[Completion]:
+    def checked_generate(self, prompts, sampling=None, session: str | None = None) -> GenerateRequest:
+        """A generate request parsed and checked against the model (vocabulary, context), or `InvalidRequest`."""
         request = parse(GenerateRequest, {"prompts": prompts, "sampling": sampling, "session": session}, "")
         prompts, params = request.prompts, request.sampling
         if not prompts:
@@ -187,6 +187,12 @@ class InProcessBackend(TrainingAPI):
         bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
+        return request
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
+                 session: str | None = None) -> list[Completion]:
+        request = self.checked_generate(prompts, sampling, session)
+        prompts, params = request.prompts, request.sampling
         with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
             completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version)
         with self._counters_lock:

@@ -132,8 +132,9 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         """Generate on the job's sampler (one pool, one weight version with `generate`); capture if asked.
         Errors name the route's own fields."""
         try:
-            query = GenerateRequest(prompts=prompts, sampling=sampling)
-            limits.check("generate", query)
+            limits.check("generate", GenerateRequest(prompts=prompts, sampling=sampling))
+            # Checked alone first: a bad request is refused on its own and never joins (and fails) a batch.
+            api.checked_generate(prompts, sampling)
             async with serving.gate.admitted() as abort:
                 work = asyncio.ensure_future(serving.coalescer(api, job.reads).generate(prompts, sampling))
                 try:
@@ -147,15 +148,25 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             api.trajectories.record(session, prompts, completions)
         return Sampled(prompts, completions, sampling.n)
 
-    def respond(payload: dict, stream: bool, chunks: Callable[[dict], list[dict]]):
-        if not stream:
-            return JSONResponse(payload)
+    async def begin(request: Request, schema):
+        """The request parsed, the job's API, and the served model's name (checked against the request's)."""
+        req = parse_request(schema, await read_json(request))
+        api = api_of()
+        return req, api, check_model(api, req.model)
 
-        async def events():
-            for chunk in chunks(payload):
-                yield f"data: {json.dumps(chunk)}\n\n"
+    def respond(req, payload: dict, chunks: Callable[[dict], list[dict]], head: dict):
+        """JSON, or with `stream` server-sent events: `chunks`, then usage if asked (in a chunk with `head`)."""
+        if not req.stream:
+            return JSONResponse(payload)
+        events = chunks(payload)
+        if req.stream_options and req.stream_options.include_usage:
+            events.append({**head, "choices": [], "usage": payload["usage"]})
+
+        async def stream():
+            for event in events:
+                yield f"data: {json.dumps(event)}\n\n"
             yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     # -- models and health -------------------------------------------------------------------------
 
@@ -175,9 +186,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await read_json(request))
-        api = api_of()
-        model = check_model(api, req.model)
+        req, api, model = await begin(request, CompletionRequest)
         codec = serving.codec(api)
         prompt = req.prompt
         if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
@@ -208,22 +217,14 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         payload = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                    "model": model, "choices": choices, "usage": sampled.usage}
 
-        def chunks(p):
-            out = [{**{k: p[k] for k in ("id", "object", "created", "model")}, "choices": [choice]}
-                   for choice in p["choices"]]
-            if req.stream_options and req.stream_options.include_usage:
-                out.append({**{k: p[k] for k in ("id", "object", "created", "model")}, "choices": [],
-                            "usage": p["usage"]})
-            return out
-        return respond(payload, req.stream, chunks)
+        head = {k: payload[k] for k in ("id", "object", "created", "model")}
+        return respond(req, payload, lambda p: [{**head, "choices": [choice]} for choice in p["choices"]], head)
 
     # -- OpenAI chat completions -------------------------------------------------------------------
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await read_json(request))
-        api = api_of()
-        model = check_model(api, req.model)
+        req, api, model = await begin(request, ChatCompletionRequest)
         codec = serving.codec(api)
         prompt_ids = codec.render_chat(req.messages, req.tools if req.tool_choice != "none" else None,
                                        req.add_generation_prompt, req.chat_template_kwargs)
@@ -253,8 +254,9 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                    "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                    "prompt_logprobs": _prompt_logprobs(codec, first, prompt_ids) if first else None}
 
+        head = {"id": payload["id"], "object": "chat.completion.chunk", "created": payload["created"], "model": model}
+
         def chunks(p):
-            head = {"id": p["id"], "object": "chat.completion.chunk", "created": p["created"], "model": p["model"]}
             out = []
             for choice in p["choices"]:
                 i = choice["index"]
@@ -267,20 +269,16 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                                  "finish_reason": choice["finish_reason"],
                                                  "stop_reason": choice["stop_reason"],
                                                  "weight_versions": choice.get("weight_versions")}]})
-            if req.stream_options and req.stream_options.include_usage:
-                out.append({**head, "choices": [], "usage": p["usage"]})
             if p["prompt_token_ids"] is not None:
                 out[0]["prompt_token_ids"] = p["prompt_token_ids"]
             return out
-        return respond(payload, req.stream, chunks)
+        return respond(req, payload, chunks, head)
 
     # -- vLLM's token-in, token-out route ----------------------------------------------------------
 
     @app.post("/inference/v1/generate")
     async def generate_tokens(request: Request):
-        req = parse_request(TokenGenerateRequest, await read_json(request))
-        api = api_of()
-        model = check_model(api, req.model)
+        req, api, model = await begin(request, TokenGenerateRequest)
         if req.output_mode == "text" and not req.sampling_params.detokenize:
             raise InvalidRequest("output_mode", "'text' needs sampling_params.detokenize true")
         sampling = req.sampling(max_tokens(api, req.sampling_params.max_tokens, [req.token_ids]))
@@ -312,15 +310,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                    "output_mode": req.output_mode, "usage": sampled.usage, "prompt_token_ids": req.token_ids,
                    "prompt_logprobs": _vllm_prompt_logprobs(first) if first else None, "choices": choices}
 
-        def chunks(p):
-            out = [{"request_id": p["request_id"], "output_mode": p["output_mode"], "choices": [choice],
-                    **({"prompt_token_ids": p["prompt_token_ids"]} if i == 0 and req.return_token_ids else {})}
-                   for i, choice in enumerate(p["choices"])]
-            if req.stream_options and req.stream_options.include_usage:
-                out.append({"request_id": p["request_id"], "output_mode": p["output_mode"], "choices": [],
-                            "usage": p["usage"]})
-            return out
-        return respond(payload, bool(req.stream), chunks)
+        head = {"request_id": payload["request_id"], "output_mode": req.output_mode}
+        return respond(req, payload, lambda p: [
+            {**head, "choices": [choice], **({"prompt_token_ids": p["prompt_token_ids"]} if i == 0 and req.return_token_ids else {})}
+            for i, choice in enumerate(p["choices"])], head)
 
     # -- RL control ----------------------------------------------------------------------------------
 

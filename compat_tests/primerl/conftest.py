@@ -7,17 +7,12 @@ on sys.path, so verifiers imports the harness and taskset packages here by id, a
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import socket
-import subprocess
-import time
 
-import httpx
 import pytest
 
-MAIN_PYTHON = os.environ.get("ARCTIC_RL_MAIN_PYTHON", os.path.join(os.getcwd(), ".venv", "bin", "python"))
+from compat_tests.main_server import make_tiny_model, serving
+
 SERVED_MODEL = "tiny-qwen3"
 LEARNING_RATE = 1e-2
 """High enough for the tool-use SFT (`tool_model`) to converge in about 90 steps (5 s)."""
@@ -25,53 +20,19 @@ SFT_MAX_STEPS = 200
 SFT_TARGET_LOSS = 1e-3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-    subprocess.run([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "make-tiny-model", "--family", "qwen3",
-                    "--max-positions", "1024", path], check=True, capture_output=True)
-    return path
+    return make_tiny_model(path, "--family", "qwen3", "--max-positions", "1024")
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
     """`arctic-rl serve` with a job on the tiny model: DeepSpeed and the transformers sampler, in the main environment."""
     work = tmp_path_factory.mktemp("server")
-    job = work / "job.yaml"
-    job.write_text(json.dumps({"model_path": tiny_model, "sampler": {"name": "transformers"},
-                               "engine": {"learning_rate": LEARNING_RATE}}))
-    port = free_port()
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "serve", "--port", str(port), "--config", str(job),
-                             "--served-model-name", SERVED_MODEL, "--checkpoint-dir", str(work / "checkpoints")],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=work)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"arctic-rl serve exited ({proc.returncode}); see {log.name}")
-        try:
-            if httpx.get(f"{url}/v1/status", timeout=2).json().get("initialized"):
-                break
-        except httpx.HTTPError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"arctic-rl serve did not load its job in time; see {log.name}")
-        time.sleep(1)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    job = {"model_path": tiny_model, "sampler": {"name": "transformers"}, "engine": {"learning_rate": LEARNING_RATE}}
+    with serving(job, work, "--served-model-name", SERVED_MODEL, "--checkpoint-dir", str(work / "checkpoints")) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

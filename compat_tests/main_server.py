@@ -1,0 +1,66 @@
+"""`arctic-rl serve` in the main environment (where the engines are), for compat tests that run in a
+framework's own environment. Both sides load the tiny model from the same folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+MAIN_PYTHON = os.environ.get("ARCTIC_RL_MAIN_PYTHON", os.path.join(os.getcwd(), ".venv", "bin", "python"))
+# A framework's launcher may leave a torch.distributed rendezvous in the environment; the server is its own world.
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+
+
+def make_tiny_model(path: str, *args: str) -> str:
+    subprocess.run([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "make-tiny-model", *args, path], check=True,
+                   capture_output=True, env=main_env())
+    return path
+
+
+@contextmanager
+def serving(job: dict, work: Path, *args: str, start_timeout_s: float = 300):
+    """The server's URL once it has loaded `job` (a BackendConfig); its log is `work/server.log`."""
+    (work / "job.yaml").write_text(json.dumps(job))
+    port = free_port()
+    with open(work / "server.log", "w") as log:
+        proc = subprocess.Popen([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "serve", "--port", str(port), "--config",
+                                 str(work / "job.yaml"), *args], stdout=log, stderr=subprocess.STDOUT, cwd=work,
+                                env=main_env())
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + start_timeout_s
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"arctic-rl serve exited ({proc.returncode}); see {log.name}")
+                try:
+                    if httpx.get(f"{url}/v1/status", timeout=2).json().get("initialized"):
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"arctic-rl serve did not load its job in time; see {log.name}")
+                time.sleep(1)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
