@@ -93,6 +93,10 @@ def build_parser(plugins: PluginManager | None = None) -> argparse.ArgumentParse
     p.add_argument("--max-request-mb", type=int, default=1024, help="request body cap")
     p.add_argument("--served-model-name", help="the model name the OpenAI-compatible routes answer to "
                                                "(default: the job's model_path)")
+    from arctic_rl_core.serving.tool_calls import PARSERS
+
+    p.add_argument("--tool-call-parser", choices=PARSERS,
+                   help="return chat replies' tool-call blocks as tool_calls (as vLLM's option of that name)")
     p.add_argument("--checkpoint-dir", default="checkpoints",
                    help="every checkpoint path a request names must resolve inside this directory (default ./checkpoints)")
     p.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",

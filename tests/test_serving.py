@@ -130,6 +130,25 @@ def test_the_token_route_speaks_vllms_own_schema(server):
     assert all(e["token"] == f"token_id:{e['token_id']}" for c in raw.json()["choices"] for e in c["logprobs"]["content"])
 
 
+def test_tokenize_and_detokenize_as_vllm_answers_them(server, tiny_model):
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.serve.tokenize.protocol import DetokenizeResponse, TokenizeResponse
+
+    url, _ = server
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = TokenizeResponse.model_validate(httpx.post(f"{url}/tokenize", json={"messages": messages}).json())
+    assert chat.tokens == tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert chat.count == len(chat.tokens) and chat.max_model_len == 256
+    text = TokenizeResponse.model_validate(httpx.post(f"{url}/tokenize", json={
+        "prompt": "Paris is the capital", "return_token_strs": True}).json())
+    assert text.tokens == tokenizer("Paris is the capital")["input_ids"] and "".join(text.token_strs) == "Paris is the capital"
+    back = DetokenizeResponse.model_validate(httpx.post(f"{url}/detokenize", json={"tokens": text.tokens}).json())
+    assert back.prompt == "Paris is the capital"
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]"
+
+
 def test_bad_input_is_a_4xx_in_openais_error_shape(server, sdk):
     url, _ = server
     with pytest.raises(openai.NotFoundError) as err:
@@ -268,3 +287,46 @@ def test_routes_are_counted_in_status_and_need_the_token_off_loopback(tiny_model
         assert status["serving"]["requests"] == {"completions": 1, "chat": 1, "generate": 0}
         assert status["backend"]["generated"]["calls"] == 2  # the same sampler as the training API's generate
     assert json.dumps(status)  # plain JSON
+
+
+def test_the_hermes_parser_returns_tool_calls_and_leaves_malformed_blocks_in_the_content():
+    from arctic_rl_core.serving.tool_calls import parse_hermes
+
+    content, calls = parse_hermes('Let me add. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+                                  '<tool_call>{not json}</tool_call>')
+    assert content == "Let me add. <tool_call>{not json}</tool_call>"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2})]
+
+
+def test_chat_with_a_tool_call_parser_answers_tool_calls_from_the_sampled_tokens(tiny_model):
+    """The sampler answers with a tool call (as a tool-trained model would); the message carries it as
+    tool_calls, the token ids are the sampled ones, and streaming gives the same call."""
+    from transformers import AutoTokenizer
+
+    from arctic_rl_core.types import Completion
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    reply = tokenizer('Sure.<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><|im_end|>')["input_ids"]
+    config = BackendConfig.model_validate({"model_path": tiny_model, "sampler": LIGHT_SAMPLER})
+    thread = ServerThread(ServerSettings(port=free_loopback_port(), tool_call_parser="hermes"), config)
+    backend = thread.app.state.job.api
+    backend.sampler.generate = lambda prompts, sampling, version: [
+        Completion(prompt_index=0, token_ids=reply, logprobs=[-1.0] * len(reply), finish_reason="stop",
+                   weight_version=version) for _ in range(sampling.n)]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "1 + 2?"}]
+    with thread as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        out = sdk.chat.completions.create(model=tiny_model, messages=messages, tools=tools, max_tokens=40,
+                                          extra_body={"return_token_ids": True})
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+        [call] = choice.message.tool_calls
+        assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
+        assert choice.token_ids == reply
+        streamed = sdk.chat.completions.create(model=tiny_model, messages=messages, tools=tools, max_tokens=40,
+                                               stream=True)
+        deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].delta.tool_calls]
+        assert [d.tool_calls[0].function.name for d in deltas] == ["add"]
+        plain = sdk.chat.completions.create(model=tiny_model, messages=messages, max_tokens=40)  # no tools: text
+        assert plain.choices[0].message.tool_calls is None and "add" in plain.choices[0].message.content

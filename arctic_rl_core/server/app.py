@@ -59,6 +59,8 @@ class ServerSettings:
     """Open connections beyond this are answered 503."""
     served_model_name: str | None = None
     """The model name the OpenAI-compatible routes answer to (default: the job's model_path)."""
+    tool_call_parser: str | None = None
+    """`hermes`: chat replies' tool-call blocks are returned as `tool_calls` (vLLM's --tool-call-parser)."""
 
     def checkpoint_root(self) -> str:
         if self.checkpoint_dir is None:
@@ -191,7 +193,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                    reads=ThreadPoolExecutor(settings.read_workers, thread_name_prefix="arctic-read"),
                    buffers=BufferPool(max_pooled_bytes=2 * settings.max_request_bytes))
     checkpoint_root = settings.checkpoint_root()
-    serving = app.state.serving = Serving(settings.served_model_name)
+    serving = app.state.serving = Serving(settings.served_model_name, settings.tool_call_parser)
 
     def read(request: Request) -> Body:
         return Body(request, settings.max_request_bytes, job.buffers, settings.body_timeout_s)

@@ -182,3 +182,22 @@ class TokenGenerateRequest(_Request):
                           "logprobs": max(sp.logprobs or 0, 0),
                           "prompt_logprobs": None if sp.prompt_logprobs is None else max(sp.prompt_logprobs, 0)},
                          "sampling_params.")
+
+
+class TokenizeRequest(_Request):
+    """vLLM's `/tokenize`: a text prompt, or chat messages rendered by the model's template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt, False for messages (the template writes its own)."""
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]

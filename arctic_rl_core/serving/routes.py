@@ -29,10 +29,13 @@ from arctic_rl_core.serving.pause import Aborted, PauseGate, PauseMode
 from arctic_rl_core.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     TokenGenerateRequest,
+    TokenizeRequest,
     parse_request,
 )
 from arctic_rl_core.serving.text import TextCodec
+from arctic_rl_core.serving.tool_calls import parse_hermes
 from arctic_rl_core.types import SESSION_ID_CHARS, Completion, GenerateRequest, SamplingParams
 
 SESSION_HEADER = "x-session-id"
@@ -72,6 +75,8 @@ class Serving:
     """The serving surface's state on one server."""
 
     served_model_name: str | None
+    tool_call_parser: str | None = None
+    """`hermes`: chat replies' <tool_call> blocks become the message's `tool_calls` (requests with `tools`)."""
     gate: PauseGate = field(default_factory=PauseGate)
     requests: dict[str, int] = field(default_factory=lambda: {"completions": 0, "chat": 0, "generate": 0})
     _codec: tuple[Any, TextCodec] | None = None
@@ -234,6 +239,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                 req.top_logprobs or 0)
         sampled = await sample(api, "chat", [prompt_ids], sampling, session_of(request, req.session_id),
                                lambda f: _renamed(f, "messages", False))
+        parse_tools = serving.tool_call_parser is not None and bool(req.tools) and req.tool_choice != "none"
         choices = []
         for index, c in sampled.choices():
             if c is None:
@@ -241,12 +247,19 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                 "finish_reason": "abort", "stop_reason": None,
                                 "token_ids": [] if req.return_token_ids else None})
                 continue
+            # A tool-call parser reads the markup special tokens may carry; the content is shown without them.
             text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [], req.include_stop_str_in_output,
-                                                    req.skip_special_tokens)
+                                                    req.skip_special_tokens and not parse_tools)
+            calls = []
+            if parse_tools:
+                text, calls = parse_hermes(text)
+                text = codec.without_special_tokens(text) if req.skip_special_tokens else text
+            message = {"role": "assistant", "content": text or (None if calls else ""),
+                       **({"tool_calls": calls} if calls else {})}
             choices.append({
-                "index": index, "message": {"role": "assistant", "content": text},
+                "index": index, "message": message,
                 "logprobs": {"content": _chat_logprobs(codec, c, req.return_tokens_as_token_ids)} if req.logprobs else None,
-                "finish_reason": c.finish_reason, "stop_reason": stop_reason,
+                "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": stop_reason,
                 "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c)})
         first = sampled.completions[0] if sampled.completions else None
         payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -262,7 +275,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 i = choice["index"]
                 out.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}]})
-                out.append({**head, "choices": [{"index": i, "delta": {"content": choice["message"]["content"]},
+                delta = {"content": choice["message"]["content"]}
+                if "tool_calls" in choice["message"]:
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(choice["message"]["tool_calls"])]
+                out.append({**head, "choices": [{"index": i, "delta": delta,
                                                  "logprobs": choice["logprobs"], "finish_reason": None,
                                                  "token_ids": choice["token_ids"]}]})
                 out.append({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
@@ -314,6 +330,32 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         return respond(req, payload, lambda p: [
             {**head, "choices": [choice], **({"prompt_token_ids": p["prompt_token_ids"]} if i == 0 and req.return_token_ids else {})}
             for i, choice in enumerate(p["choices"])], head)
+
+    # -- tokenizer ------------------------------------------------------------------------------------
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req, api, _ = await begin(request, TokenizeRequest)
+        codec = serving.codec(api)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequest("prompt", "give a prompt or messages, not both")
+        if req.messages is not None:
+            tokens = codec.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+            if req.add_special_tokens:
+                tokens = codec.encode(codec.decode(tokens, skip_special_tokens=False), True, "messages")
+        else:
+            tokens = codec.encode(req.prompt, req.add_special_tokens is not False, "prompt")
+        return {"count": len(tokens), "max_model_len": api.sampler.max_context, "tokens": tokens,
+                "token_strs": [codec.token_text(t, False) for t in tokens] if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req, api, _ = await begin(request, DetokenizeRequest)
+        vocab = api.engine.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"tokens[{bad}]", f"token id {req.tokens[bad]} is outside the vocabulary ({vocab})")
+        return {"prompt": serving.codec(api).decode(req.tokens, skip_special_tokens=False)}
 
     # -- RL control ----------------------------------------------------------------------------------
 

@@ -46,6 +46,12 @@ class TextCodec:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def without_special_tokens(self, text: str) -> str:
+        special = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        for token in special | set(self.tokenizer.all_special_tokens):
+            text = text.replace(token, "")
+        return text.strip()
+
     def token_text(self, token_id: int, as_id: bool) -> str:
         return f"token_id:{token_id}" if as_id else self.tokenizer.decode([token_id])
 
