@@ -171,6 +171,12 @@ def test_bad_input_is_a_4xx_in_openais_error_shape(server, sdk):
     token_route = httpx.post(f"{url}/inference/v1/generate",
                              json={"token_ids": [1, 2], "sampling_params": {"min_p": 0.1}})
     assert token_route.status_code == 400 and token_route.json()["error"]["param"] == "sampling_params.min_p"
+    with pytest.raises(openai.BadRequestError) as err:  # a request never brings its own template
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' * 10**9 }}"}})
+    assert err.value.body["param"] == "chat_template_kwargs.chat_template"
+    big = httpx.post(f"{url}/tokenize", json={"prompt": "x" * (65 * 2**20)}, timeout=60)
+    assert big.status_code == 413 and "serving_body_bytes" in big.json()["error"]["message"]
     over = sdk.completions.with_raw_response  # a cap of the server's, named by the route's own field
     with pytest.raises(openai.APIStatusError) as err:
         over.create(model=MODEL, prompt="hi", max_tokens=10**6)

@@ -327,7 +327,11 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
         add_route(route)
 
     async def read_json(request: Request) -> Any:
-        async with read(request) as body:
+        cap = min(settings.max_request_bytes, settings.limits.serving_body_bytes)
+        if int(request.headers.get("content-length") or 0) > cap:
+            raise OverLimit("body", f"{request.headers['content-length']} bytes exceed the server's limit "
+                                    f"serving_body_bytes={cap}")
+        async with Body(request, cap, job.buffers, settings.body_timeout_s) as body:
             content_type = request.headers.get("content-type", "application/json")
             if not content_type.startswith("application/json"):
                 raise InvalidRequest("content-type", f"{content_type!r}: these routes take application/json")

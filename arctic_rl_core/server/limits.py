@@ -30,6 +30,8 @@ class RequestLimits:
     """Sequences in one fwd_bwd or log_probs."""
     tokens_per_call: int = 16_777_216
     """Prompt + response tokens in one fwd_bwd, log_probs or generate call."""
+    serving_body_bytes: int = 64 * 2**20
+    """A body on the OpenAI- and vLLM-compatible routes: text to tokenize and render is work."""
 
     @classmethod
     def names(cls) -> list[str]:

@@ -13,6 +13,13 @@ from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.types import Completion
 
 
+_RENDERER_OPTIONS = frozenset({
+    "chat_template", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "conversation", "processor_kwargs"})
+"""`apply_chat_template`'s own parameters."""
+
+
 class TextCodec:
     def __init__(self, model_path: str):
         from transformers import AutoTokenizer
@@ -27,9 +34,14 @@ class TextCodec:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
                     template_kwargs: dict[str, Any] | None) -> list[int]:
-        """The prompt's token ids by the model's own chat template; a list it cannot render is refused."""
+        """The prompt's token ids by the model's own chat template; a list it cannot render is refused.
+        `template_kwargs` reach the template as variables, never as options of the renderer (a request
+        must not bring its own template)."""
         from jinja2 import TemplateError
 
+        for key in template_kwargs or {}:
+            if key in _RENDERER_OPTIONS:
+                raise InvalidRequest(f"chat_template_kwargs.{key}", "is an option of the renderer, not a template variable")
         if not self.tokenizer.chat_template:
             raise InvalidRequest("messages", "the served model's tokenizer has no chat template; use /v1/completions")
         for i, message in enumerate(messages):
