@@ -117,6 +117,8 @@ class InProcessBackend(TrainingAPI):
         self.generated = {"calls": 0, "completions": 0, "tokens": 0}
         """What the sampler produced so far (served by the server's status route)."""
         self.trajectories = TrajectoryStore(self.config.sampler.capture_tokens)
+        self._aborts = 0
+        """`abort_generation` calls so far: a generate call that waited for the sampler through one is aborted."""
 
     @property
     def weight_version(self) -> int:
@@ -193,8 +195,14 @@ class InProcessBackend(TrainingAPI):
                  session: str | None = None) -> list[Completion]:
         request = self.checked_generate(prompts, sampling, session)
         prompts, params = request.prompts, request.sampling
+        epoch = self._aborts
         with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
-            completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version)
+            if self._aborts != epoch:  # aborted while it waited for the sampler
+                completions = [Completion(prompt_index=i, token_ids=[], logprobs=[], finish_reason="abort",
+                                          weight_version=self._weight_version)
+                               for i in range(len(prompts)) for _ in range(params.n)]
+            else:
+                completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version)
         with self._counters_lock:
             self.generated["calls"] += 1
             self.generated["completions"] += len(completions)
@@ -202,6 +210,12 @@ class InProcessBackend(TrainingAPI):
         if request.session is not None:
             self.trajectories.record(request.session, prompts, completions)
         return completions
+
+    def abort_generation(self) -> bool:
+        """End the sampler's generate call in flight, whichever caller it serves: its unfinished completions
+        return at once with finish reason `abort` (the serving routes' `/pause?mode=abort`)."""
+        self._aborts += 1
+        return self.sampler.abort_generation()
 
     def episode(self, session: str, release: bool = False) -> Episode:
         return self.trajectories.episode(parse(EpisodeRequest, {"session": session, "release": release}, "").session,

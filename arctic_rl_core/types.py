@@ -217,7 +217,9 @@ class Completion(_Strict):
     token_ids: list[int]
     logprobs: list[float]
     """Log-prob of each sampled token under the temperature-scaled policy."""
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
+    """`abort`: the generation was cut short (`abort_generation`, the serving routes' `/pause`); its tokens
+    are what was sampled until then, with their log-probs."""
     weight_version: int
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """With `sampling.logprobs` = k: at each sampled position, the k most likely (token id, log-prob)."""
@@ -233,7 +235,7 @@ class Turn(_Strict):
     """The prompt's token ids as rendered and sampled from (never re-tokenised)."""
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "abort"]
     weight_version: int
 
 

@@ -336,3 +336,41 @@ def test_chat_with_a_tool_call_parser_answers_tool_calls_from_the_sampled_tokens
         assert [d.tool_calls[0].function.name for d in deltas] == ["add"]
         plain = sdk.chat.completions.create(model=tiny_model, messages=messages, max_tokens=40)  # no tools: text
         assert plain.choices[0].message.tool_calls is None and "add" in plain.choices[0].message.content
+
+
+def test_pause_abort_ends_the_samplers_call_in_flight_so_a_weight_sync_need_not_wait(tiny_model):
+    config = BackendConfig.model_validate({"model_path": tiny_model, "sampler": LIGHT_SAMPLER,
+                                           "engine": {"learning_rate": 1e-2}})
+    thread = ServerThread(ServerSettings(port=free_loopback_port()), config)
+    backend = thread.app.state.job.api
+    model, steps = backend.sampler.model, []
+    real_forward = model.forward
+
+    def slow_forward(*args, **kwargs):  # 20 ms a token: 200 tokens take 4 s unless aborted
+        steps.append(1)
+        time.sleep(0.02)
+        return real_forward(*args, **kwargs)
+    model.forward = slow_forward
+    with thread as url:
+        body = {"model": tiny_model, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 200, "return_token_ids": True}
+        flight, box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
+        direct, direct_box = _in_thread(lambda: backend.generate([[5, 6, 7]], {"max_tokens": 200, "n": 2}))
+        while len(steps) < 10:
+            time.sleep(0.01)
+        httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=30)
+        started = time.monotonic()
+        version = httpx.post(f"{url}/update_weights", timeout=60).json()["weight_version"]
+        synced_after = time.monotonic() - started
+        flight.join(timeout=60)
+        direct.join(timeout=60)
+        assert [c["finish_reason"] for c in box["out"]["choices"]] == ["abort", "abort"]
+        assert synced_after < 2.0, synced_after  # not the ~4 s the generation had left
+        assert version == 1
+        # A generate call of the training API in flight was cut too: what it sampled so far, finish reason abort.
+        for c in direct_box["out"]:
+            assert c.finish_reason == "abort" and len(c.token_ids) < 200 and len(c.logprobs) == len(c.token_ids)
+        httpx.post(f"{url}/resume")
+        model.forward = real_forward
+        after = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 3}, timeout=60).json()
+        assert {c["finish_reason"] for c in after["choices"]} <= {"stop", "length"}
+        assert all(c["weight_versions"][0]["version"] == "1" for c in after["choices"])

@@ -99,3 +99,11 @@ def test_serving_routes_report_the_vllm_samplers_own_log_probs(tiny_model):
     assert result["top_sizes"] in ([3], [3, 4], [4]) and result["top_ordered"]
     assert result["prompt_ranks"] in ([2], [2, 3], [3])
     assert result["captured"]
+
+
+@pytest.mark.scenario
+def test_abort_generation_ends_the_engine_loop_and_the_engine_serves_on(tiny_model):
+    result = run_scenario("abort", tiny_model)
+    assert result["completions"] == 64 and "abort" in result["finish"] and result["aborted_empty"]
+    assert result["returned_after_abort_s"] < result["small_s"], result  # an engine step, not the rest of the call
+    assert result["after"][0] in ("stop", "length") and result["engine_idle"]

@@ -174,6 +174,33 @@ def serving(model_dir):
     return result
 
 
+def abort(model_dir):
+    """abort_generation ends vLLM's engine loop between two steps; the engine then serves as before."""
+    api = backend(model_dir)
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(16)]
+    full = {"n": 4, "max_tokens": 240, "seed": 0}
+    api.generate(prompts[:1], {"max_tokens": 2})  # warm-up
+    t0 = time.perf_counter()
+    api.generate(prompts[:2], {"n": 4, "max_tokens": 240, "seed": 0})
+    small_s = time.perf_counter() - t0
+    box = {}
+    running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts, full)))
+    running.start()
+    engine = api.sampler.llm.llm_engine
+    while not engine.has_unfinished_requests():  # the call has started
+        time.sleep(0.005)
+    time.sleep(small_s / 4)  # well inside it: it has 8 times the work of `small_s`
+    t1 = time.perf_counter()
+    api.abort_generation()
+    running.join(120)
+    after = api.generate([[5, 6, 7]], {"max_tokens": 4, "seed": 1})
+    return {"small_s": small_s, "returned_after_abort_s": time.perf_counter() - t1,
+            "finish": sorted({c.finish_reason for c in box["out"]}), "completions": len(box["out"]),
+            "aborted_empty": all(not c.token_ids for c in box["out"] if c.finish_reason == "abort"),
+            "after": [after[0].finish_reason, len(after[0].token_ids)],
+            "engine_idle": not api.sampler.llm.llm_engine.has_unfinished_requests()}
+
+
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
     from transformers.utils import logging as hf_logging
@@ -181,5 +208,6 @@ if __name__ == "__main__":
     select_accelerator()
     hf_logging.disable_progress_bar()
     scenario, model_dir, *rest = sys.argv[1:]
-    result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving}[scenario](model_dir, *rest)
+    result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
+              "abort": abort}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

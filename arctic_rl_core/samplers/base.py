@@ -36,6 +36,11 @@ class Sampler(ABC):
     def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """Log-prob of each response token given its prompt and the tokens before it (temperature 1)."""
 
+    def abort_generation(self) -> bool:
+        """End the `generate` call in flight (called from another thread): it returns soon, each unfinished
+        completion with what it sampled so far and finish reason `abort`. False where the sampler cannot."""
+        return False
+
     def sleep(self) -> None:
         """Release what generation holds (KV cache) while training runs; a sampler may have nothing to release."""
 

@@ -52,6 +52,9 @@ class SamplerReplica:
         with self._busy:
             return self.sampler.generate(prompts, sampling, self.weight_version)
 
+    def abort_generation(self) -> bool:
+        return self.sampler.abort_generation()  # not under _busy: it ends the call that holds it
+
     def score(self, sequences):
         with self._busy:
             return self.sampler.score(sequences)

@@ -392,6 +392,18 @@ class SamplerPool(Sampler):
 
         ray.get([s.actor.wake_up.remote() for s in self._slots if s.healthy])
 
+    def abort_generation(self) -> bool:
+        """Every live replica ends the engine call it runs; False if one could not be reached."""
+        import ray
+
+        with self._changed:
+            actors = [s.actor for s in self._slots if s.state in ("ready", "stale")]
+        try:
+            return all(ray.get([actor.abort_generation.remote() for actor in actors], timeout=30))
+        except Exception as err:  # a dead replica is found and replaced by the next call, as always
+            log.warning("abort_generation did not reach every replica: %s", err)
+            return False
+
     # -- status ----------------------------------------------------------------------------------
 
     def describe(self) -> list[dict]:

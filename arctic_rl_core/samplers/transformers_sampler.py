@@ -6,13 +6,25 @@ weight version, as a vLLM engine would. The vLLM sampler replaces it.
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.types import Completion, SamplingParams
+
+
+class _Aborted(StoppingCriteria):
+    """Every row stops once `abort_generation` was called."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 def _pairs(indices: torch.Tensor, values: torch.Tensor) -> list[list[tuple[int, float]]]:
@@ -34,6 +46,11 @@ class TransformersSampler(Sampler):
         self.max_context = self.model.config.max_position_embeddings
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self._abort = threading.Event()
+
+    def abort_generation(self) -> bool:
+        self._abort.set()
+        return True
 
     @torch.no_grad()
     def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
@@ -54,14 +71,20 @@ class TransformersSampler(Sampler):
             output_logits=True,
         )
         completions = []
+        self._abort.clear()
+        aborted = _Aborted(self._abort)
         with torch.random.fork_rng(devices=[]):
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
             for index, prompt in enumerate(prompts):
+                if self._abort.is_set():  # the prompts not yet started end with nothing sampled
+                    completions += [Completion(prompt_index=index, token_ids=[], logprobs=[], finish_reason="abort",
+                                               weight_version=weight_version) for _ in range(sampling.n)]
+                    continue
                 ids = torch.tensor([prompt] * sampling.n, device=self.device)
                 out = self.model.generate(
                     input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
-                    tokenizer=self.tokenizer if sampling.stop else None,
+                    tokenizer=self.tokenizer if sampling.stop else None, stopping_criteria=StoppingCriteriaList([aborted]),
                 )
                 new = out.sequences[:, ids.shape[1]:]
                 # Log-probs under the temperature-scaled policy, before top-k/top-p truncation: what the
@@ -76,6 +99,8 @@ class TransformersSampler(Sampler):
                 for row in range(new.shape[0]):
                     tokens = new[row].tolist()
                     end, reason = self._end(tokens, stop_ids, sampling.stop)
+                    if reason == "length" and self._abort.is_set() and end < sampling.max_tokens:
+                        reason = "abort"
                     completions.append(
                         Completion(
                             prompt_index=index,

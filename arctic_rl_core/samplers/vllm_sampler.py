@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Iterable
@@ -91,6 +92,7 @@ class VLLMSampler(Sampler):
             )
         self._sync_dir = sc.sync_dir or tempfile.mkdtemp(prefix="arctic-rl-sync-")
         self._group = None
+        self._abort = threading.Event()
         # The worker's side of a broadcast is an RPC that must run while this thread broadcasts.
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="arctic-rl-vllm-rpc")
         if self._buckets:
@@ -110,10 +112,37 @@ class VLLMSampler(Sampler):
             seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
         )
 
+    def _run(self, prompts, sampling: SamplingParams) -> list:
+        """vLLM's `LLM.generate` (its `enqueue`, then its engine loop), ended by `abort_generation` between two
+        engine steps, in this thread (vLLM's engine is not thread-safe). Per prompt its output, None if aborted
+        before it finished (the offline engine reports finished requests only)."""
+        self._abort.clear()
+        first = self.llm.request_counter.counter  # the LLM numbers its requests from here, one per prompt
+        added = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], self._params(sampling), use_tqdm=False)
+        engine = self.llm.llm_engine
+        finished = {}
+        while engine.has_unfinished_requests():
+            if self._abort.is_set():
+                engine.abort_request(added, internal=True)  # as vLLM itself removes requests it added
+                while engine.has_unfinished_requests():
+                    engine.step()
+                break
+            for request in engine.step():
+                if request.finished:
+                    finished[int(request.request_id) - first] = request
+        return [finished.get(index) for index in range(len(prompts))]
+
+    def abort_generation(self) -> bool:
+        self._abort.set()
+        return True
+
     def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(sampling), use_tqdm=False)
         completions = []
-        for index, request in enumerate(outputs):
+        for index, request in enumerate(self._run(prompts, sampling)):
+            if request is None:
+                completions += [Completion(prompt_index=index, token_ids=[], logprobs=[], finish_reason="abort",
+                                           weight_version=weight_version) for _ in range(sampling.n)]
+                continue
             for out in request.outputs:
                 if out.finish_reason not in ("stop", "length"):
                     raise ArcticRLError(f"vLLM ended a completion of prompts[{index}] with {out.finish_reason!r}")

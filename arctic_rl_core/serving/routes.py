@@ -362,6 +362,9 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
     @app.post("/pause")
     async def pause(mode: PauseMode = Query("abort"), clear_cache: bool = Query(True)):
         await serving.gate.pause(mode)
+        if mode == "abort" and job.api is not None:
+            # The sampler ends the call in flight too, so a weight sync need not wait for it.
+            await asyncio.to_thread(job.api.abort_generation)
         return {"status": "paused"}
 
     @app.post("/resume")
