@@ -21,3 +21,18 @@ def test_bench_zorro_reports_parity_and_fields():
     assert result["tokens_naive"] == 2 * 4 * 56 and result["tokens_zorro"] == 2 * (48 + 4 * 8)
     assert result["logprob_max_abs_err"] < 1e-4 and result["grad_rel_err"] < 1e-4
     assert 1.0 < result["theory"] < 56 * 4 / (48 + 4 * 8) + 1e-9  # bounded by the token ratio
+
+
+def test_bench_zorro_multi_turn_episodes_share_the_prompt_and_each_episodes_history():
+    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
+    out = subprocess.run(
+        [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "16", "--response-len", "8",
+         "--turns", "3", "--group", "2", "--groups", "1", "--repeats", "1", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # Turn k's prompt: the first prompt, then k x (8 response + 4 reply) tokens. Unshared: 6 rows padded to the
+    # longest turn (16 + 2 x 12 + 8 = 48); shared: the prompt once, then each episode's 3 responses and 2 replies.
+    assert result["tokens_naive"] == 6 * 48 and result["tokens_zorro"] == 16 + 2 * (3 * 8 + 2 * 4)
+    assert result["logprob_max_abs_err"] < 1e-4 and result["grad_rel_err"] < 1e-4
+    assert result["theory"] is None and result["shape"]["turns"] == 3

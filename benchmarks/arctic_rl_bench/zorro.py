@@ -1,5 +1,10 @@
 """`arctic-rl bench zorro`: fwd_bwd and log_probs on one GRPO batch, ZoRRo off vs on, same engine.
 
+`--turns T` makes each of the group's samples a multi-turn episode trained turn by turn (as captured
+episodes are, `Episode.sequences`): turn k's prompt is the first prompt, then each earlier turn's
+response and the environment's reply (half a response long), so ZoRRo shares the group's prompt and
+each episode's history.
+
 ZoRRo off is plain packing as the peers do it: a right-padded batch, one
 sequence per row, causal SDPA (flash attention on CPU and GPU), so attention
 costs per sequence only. Each mode runs in its own process so that peak memory
@@ -37,6 +42,30 @@ def build_batch(prompt_len: int, response_len: int, group: int, groups: int, voc
     return seqs
 
 
+def build_episodes(prompt_len: int, response_len: int, turns: int, group: int, groups: int, vocab: int):
+    """Per group, `group` episodes of `turns` turns from one prompt; one sequence per turn."""
+    from arctic_rl_core.types import Sequence
+
+    rng = random.Random(SEED)
+    seqs = []
+    for g in range(groups):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        for _ in range(group):
+            history = list(prompt)
+            for _ in range(turns):
+                response = [rng.randrange(3, vocab) for _ in range(response_len)]
+                seqs.append(Sequence(prompt_ids=list(history), response_ids=response, group_id=g,
+                                     advantages=[rng.uniform(-1, 1)] * response_len,
+                                     behaviour_logprobs=[-rng.uniform(4, 8) for _ in range(response_len)]))
+                history += response + [rng.randrange(3, vocab) for _ in range(response_len // 2)]
+    return seqs
+
+
+def longest(args: dict) -> int:
+    turns = args["turns"]
+    return args["prompt_len"] + turns * args["response_len"] + (turns - 1) * (args["response_len"] // 2)
+
+
 def worker(mode: str, args: dict, out_dir: str) -> dict:
     """Runs in a child process: one mode, timings, peak memory, outputs saved for comparison."""
     import torch
@@ -53,7 +82,9 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
             "zorro": {"enable": mode == "zorro"},
         }
     )
-    seqs = build_batch(args["prompt_len"], args["response_len"], args["group"], args["groups"], backend.engine.vocab_size)
+    vocab = backend.engine.vocab_size
+    seqs = (build_batch(args["prompt_len"], args["response_len"], args["group"], args["groups"], vocab) if args["turns"] == 1
+            else build_episodes(args["prompt_len"], args["response_len"], args["turns"], args["group"], args["groups"], vocab))
     cuda = torch.cuda.is_available()
 
     def mem_start():
@@ -113,7 +144,7 @@ def run(args: dict) -> dict:
         args = dict(args)
         args["model_dir"] = make_tiny_model(
             args["family"], os.path.join(tmp, "model"), layers=args["layers"], hidden=args["hidden"],
-            heads=args["heads"], kv_heads=args["kv_heads"], max_positions=args["prompt_len"] + args["response_len"],
+            heads=args["heads"], kv_heads=args["kv_heads"], max_positions=longest(args),
         )
         results = {mode: run_worker("arctic_rl_bench.zorro", mode, json.dumps(args), tmp) for mode in ("naive", "zorro")}
         naive, zorro = load_file(os.path.join(tmp, "naive.safetensors")), load_file(os.path.join(tmp, "zorro.safetensors"))
@@ -122,11 +153,11 @@ def run(args: dict) -> dict:
     g_n = torch.cat([naive[k].flatten() for k in sorted(naive)])
     g_z = torch.cat([zorro[k].flatten() for k in sorted(naive)])
     shape = Shape(args["prompt_len"], args["response_len"], args["group"], args["groups"])
-    theory = theoretical_speedup(config, shape)
+    theory = theoretical_speedup(config, shape) if args["turns"] == 1 else None  # the FLOP model is single-turn
     n, z = results["naive"], results["zorro"]
     return {
         "benchmark": "zorro",
-        "shape": {k: args[k] for k in ("family", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "group", "groups", "dtype")},
+        "shape": {k: args[k] for k in ("family", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "turns", "group", "groups", "dtype")},
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
         "repeats": args["repeats"],
         "tokens_naive": n["computed_tokens"],
@@ -161,6 +192,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--response-len", type=int, default=256)
+    p.add_argument("--turns", type=int, default=1, help="turns per episode (1: single-turn GRPO)")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -171,16 +203,18 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     spec = {k: getattr(args, k) for k in ("family", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len",
-                                           "group", "groups", "dtype", "repeats", "threads")}
-    for name in ("prompt_len", "response_len", "group", "groups", "layers", "hidden", "repeats"):
+                                           "turns", "group", "groups", "dtype", "repeats", "threads")}
+    for name in ("prompt_len", "response_len", "turns", "group", "groups", "layers", "hidden", "repeats"):
         if spec[name] < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     result = run(spec)
     if args.json:
         print(json.dumps(result))
     else:
+        theory = f"theory {result['theory']:.2f}x" if result["theory"] else "no FLOP model for multi-turn"
+        print(f"tokens:    naive {result['tokens_naive']}  zorro {result['tokens_zorro']}")
         print(f"fwd_bwd:   naive {result['naive_s']:.3f}s  zorro {result['zorro_s']:.3f}s  speedup {result['speedup']:.2f}x  "
-              f"(theory {result['theory']:.2f}x)  peak MB {result['peak_mem_naive_mb']:.0f} -> {result['peak_mem_zorro_mb']:.0f}")
+              f"({theory})  peak MB {result['peak_mem_naive_mb']:.0f} -> {result['peak_mem_zorro_mb']:.0f}")
         lp = result["log_probs"]
         print(f"log_probs: naive {lp['naive_s']:.3f}s  zorro {lp['zorro_s']:.3f}s  speedup {lp['speedup']:.2f}x  "
               f"peak MB {lp['peak_mem_naive_mb']:.0f} -> {lp['peak_mem_zorro_mb']:.0f}")
