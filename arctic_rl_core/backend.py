@@ -10,6 +10,7 @@ import math
 import os
 import threading
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ from arctic_rl_core.types import (
     token_list,
 )
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
+from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 from arctic_rl_core.trajectories import TrajectoryStore
 
 
@@ -117,6 +119,8 @@ class InProcessBackend(TrainingAPI):
         self.generated = {"calls": 0, "completions": 0, "tokens": 0}
         """What the sampler produced so far (served by the server's status route)."""
         self.trajectories = TrajectoryStore(self.config.sampler.capture_tokens)
+        self.learning_rate: float | None = None
+        """Of the last step (status reports it: a framework's schedule can be seen reaching the job)."""
         self._aborts = 0
         """`abort_generation` calls so far: a generate call that waited for the sampler through one is aborted."""
 
@@ -291,14 +295,15 @@ class InProcessBackend(TrainingAPI):
     def step(self, learning_rate: float | None = None) -> StepResult:
         if learning_rate is not None and not (
                 isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
-                and 0 < learning_rate <= MAX_LEARNING_RATE):
-            raise InvalidRequest("learning_rate", f"must be in (0, {MAX_LEARNING_RATE}], got {learning_rate!r}")
+                and 0 <= learning_rate <= MAX_LEARNING_RATE):
+            raise InvalidRequest("learning_rate", f"must be in [0, {MAX_LEARNING_RATE}], got {learning_rate!r}")
         with self._train_lock:
             if not self.engine.has_gradients:
                 raise InvalidRequest("step", "no gradients accumulated since the last step; call fwd_bwd first")
             with self._weights_lock, self._sampler_asleep():
                 grad_norm, lr = self.engine.optimizer_step(learning_rate)
             self._accumulated.clear()
+        self.learning_rate = lr
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
 
     def sync_weights(self) -> int:
@@ -342,6 +347,11 @@ class InProcessBackend(TrainingAPI):
         if close is not None:
             close()
 
+    @cached_property
+    def weights_fingerprint(self) -> str | None:
+        """Of the checkpoint the job started from (`model_path`): a client checks it holds the same weights."""
+        return checkpoint_fingerprint(self.config.model_path)
+
     def describe(self) -> dict:
         """The model's defining shape (for clients to check they use the same model), and counters."""
         from transformers import AutoConfig
@@ -353,11 +363,14 @@ class InProcessBackend(TrainingAPI):
         return {
             "model": model_shape(AutoConfig.from_pretrained(self.config.model_path).to_dict()),
             "optimizer_steps": steps,
+            "learning_rate": self.learning_rate,
             **({"trainer_error": trainer_error} if trainer_error else {}),
             "weight_version": self._weight_version,
             "generated": dict(self.generated),
             "episodes": self.trajectories.describe(),
             "sync_route": self.sampler.sync_route,
+            "max_context": self.sampler.max_context,
+            "weights_fingerprint": self.weights_fingerprint,
             "trainer": getattr(self.engine, "placement",
                                [{"rank": 0, "node": "driver", "pid": os.getpid(), "healthy": True}]),
             "sampler": (self.sampler.describe() if hasattr(self.sampler, "describe") else

@@ -160,7 +160,8 @@ class FwdBwdResult(_Strict):
 
 
 class StepRequest(_Strict):
-    learning_rate: float | None = Field(default=None, gt=0, le=MAX_LEARNING_RATE)
+    learning_rate: float | None = Field(default=None, ge=0, le=MAX_LEARNING_RATE)
+    """0 is a step that moves no weight but advances the optimizer's state (a warm-up schedule's first step)."""
 
 
 class StepResult(_Strict):

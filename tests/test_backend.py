@@ -34,6 +34,16 @@ def test_grpo_step_changes_weights_and_sync_bumps_version(make_backend):
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}}}  # updates proportional to the gradient
 
 
+def test_a_step_at_learning_rate_zero_moves_no_weight_but_counts(make_backend):
+    """A warm-up schedule's first step: the optimizer's state advances, the weights do not."""
+    backend = make_backend()
+    before = weights(backend)
+    backend.fwd_bwd(grpo_batch(), "grpo")
+    result = backend.step(learning_rate=0.0)
+    assert result.step == 1 and result.learning_rate == 0.0 and backend.describe()["learning_rate"] == 0.0
+    assert all(torch.equal(before[n], w) for n, w in weights(backend).items())
+
+
 def update(backend, before):
     after = weights(backend)
     return torch.cat([(after[n] - before[n]).flatten() for n in before])

@@ -65,3 +65,17 @@ def test_backend_trains_other_families(tiny_models, make_backend, family):
     backend.step()
     assert backend.state_digest() != digest
     assert backend.sync_weights() == 1
+
+
+def test_the_weights_fingerprint_tells_same_shape_checkpoints_apart(tmp_path):
+    import shutil
+
+    from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    base = make_tiny_model("llama", str(tmp_path / "base"), max_positions=64, seed=0)
+    other = make_tiny_model("llama", str(tmp_path / "other"), max_positions=64, seed=1)
+    copy = shutil.copytree(base, tmp_path / "copy")
+    assert checkpoint_fingerprint(base) == checkpoint_fingerprint(str(copy)) is not None
+    assert checkpoint_fingerprint(other) != checkpoint_fingerprint(base)
+    assert checkpoint_fingerprint(str(tmp_path)) is None  # no weights in the folder itself

@@ -107,3 +107,9 @@ def test_abort_generation_ends_the_engine_loop_and_the_engine_serves_on(tiny_mod
     assert result["completions"] == 64 and "abort" in result["finish"] and result["aborted_empty"]
     assert result["returned_after_abort_s"] < result["small_s"], result  # an engine step, not the rest of the call
     assert result["after"][0] in ("stop", "length") and result["engine_idle"]
+
+
+@pytest.mark.scenario
+def test_truncated_sampling_reports_the_models_own_log_probs_at_temperature_one(tiny_model):
+    result = run_scenario("truncated", tiny_model)
+    assert result["top_p"] < 1e-3 and result["top_k"] < 1e-3 and result["plain"] < 1e-3, result

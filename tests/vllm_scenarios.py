@@ -174,6 +174,22 @@ def serving(model_dir):
     return result
 
 
+def truncated(model_dir):
+    """With top-p / top-k at temperature 1 the completions' log-probs are the model's (the trainer's), not
+    vLLM's renormalised ones; its top alternatives stay vLLM's."""
+    from arctic_rl_core.types import Sequence
+
+    api = backend(model_dir)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    result = {}
+    for name, sampling in (("top_p", {"top_p": 0.5}), ("top_k", {"top_k": 5}), ("plain", {})):
+        out = api.generate(prompts, {"n": 2, "max_tokens": 8, "seed": 3, "temperature": 1.0, **sampling})
+        trainer = api.log_probs([Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids)
+                                 for c in out]).logprobs
+        result[name] = max_err([c.logprobs for c in out], trainer)
+    return result
+
+
 def abort(model_dir):
     """abort_generation ends vLLM's engine loop between two steps; the engine then serves as before."""
     api = backend(model_dir)
@@ -209,5 +225,5 @@ if __name__ == "__main__":
     hf_logging.disable_progress_bar()
     scenario, model_dir, *rest = sys.argv[1:]
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
-              "abort": abort}[scenario](model_dir, *rest)
+              "abort": abort, "truncated": truncated}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

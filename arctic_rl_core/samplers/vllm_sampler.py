@@ -159,7 +159,19 @@ class VLLMSampler(Sampler):
                             for step, token in zip(request.prompt_logprobs[1:], prompts[index][1:])],
                     )
                 )
+        if sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0):
+            self._untruncated(prompts, completions)
         return completions
+
+    def _untruncated(self, prompts, completions: list[Completion]) -> None:
+        """vLLM reports the log-probs of the top-k/top-p truncated distribution, renormalised over the tokens it
+        kept; the trainer computes the model's own. At temperature 1 the sampled tokens are scored again, by
+        one prefill of each (prefix-cached) sequence, so the behaviour log-probs are the model's, as the
+        trainer's are (`Completion.top_logprobs` stay vLLM's)."""
+        scored = [i for i, c in enumerate(completions) if c.token_ids]
+        plain = self.score([(list(prompts[completions[i].prompt_index]), completions[i].token_ids) for i in scored])
+        for i, logprobs in zip(scored, plain):
+            completions[i].logprobs = logprobs
 
     def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         from vllm import SamplingParams as VLLMParams

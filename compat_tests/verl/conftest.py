@@ -20,16 +20,18 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 
 
 # The server's job, chosen by ARCTIC_RL_COMPAT_JOB: verl sees the same API either way (run.sh runs both).
+# Its optimizer settings are verl's defaults (weight decay 0.01): the adapter refuses a job that differs.
 JOBS = {
-    "single": {"engine": {"zero_stage": 0, "learning_rate": 1e-3}, "sampler": {"name": "vllm", "kv_cache_mb": 128}},
-    "distributed": {"engine": {"zero_stage": 2, "learning_rate": 1e-3, "ranks": 2},
+    "single": {"engine": {"zero_stage": 0, "learning_rate": 1e-3, "weight_decay": 0.01},
+               "sampler": {"name": "vllm", "kv_cache_mb": 128}},
+    "distributed": {"engine": {"zero_stage": 2, "learning_rate": 1e-3, "weight_decay": 0.01, "ranks": 2},
                     "sampler": {"name": "vllm", "kv_cache_mb": 128, "replicas": 2},
                     "placement": "colocated", "ray": {"num_cpus": 2}},
 }
 
 
-def make_model(path: str, hidden: int = 64) -> str:
-    make_tiny_model(path, "--family", "llama", "--hidden", str(hidden), "--max-positions", "512")
+def make_model(path: str, hidden: int = 64, seed: int = 0) -> str:
+    make_tiny_model(path, "--family", "llama", "--hidden", str(hidden), "--max-positions", "512", "--seed", str(seed))
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:  # the file transformers reads the template from
         f.write(CHAT_TEMPLATE)
     return path

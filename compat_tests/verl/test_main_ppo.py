@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import run_python
 
@@ -94,4 +95,13 @@ def test_unknown_settings_fail_at_start_up(tiny_model, tmp_path):
     wrong_backend = run_python_module(base + ["trainer.backend=fsdp", "--resolve"])
     assert wrong_backend.returncode != 0
     assert "trainer.backend='fsdp': the arctic_ppo_trainer config serves arctic-rl" in wrong_backend.stderr
+
+
+def test_the_job_block_is_set_whole_from_the_command_line():
+    composed = run_python_module(["-m", "verl.trainer.main_ppo", "--config-name", "arctic_ppo_trainer", "--cfg", "job",
+                                  "trainer.backend=arctic-rl",
+                                  "actor_rollout_ref.actor.arctic.job={sampler:{name:vllm},engine:{zero_stage:0}}"])
+    assert composed.returncode == 0, composed.stderr[-2000:]
+    job = yaml.safe_load(composed.stdout)["actor_rollout_ref"]["actor"]["arctic"]["job"]
+    assert job == {"sampler": {"name": "vllm"}, "engine": {"zero_stage": 0}}
 

@@ -68,3 +68,39 @@ def test_a_prompt_whose_group_never_completes_is_answered_after_the_longest_wait
     waited = time.monotonic() - t0
     assert output.token_ids == [7, 0] and client.calls == [[(1, 2, 3)]]
     assert rollout.MAX_BATCH_WAIT_S <= waited < rollout.MAX_BATCH_WAIT_S + 1.0
+
+
+def test_a_prompt_the_backend_refuses_fails_alone_and_says_why(server):
+    from arctic_rl_core.errors import InvalidRequest
+
+    srv, client = server
+    real = client.generate
+
+    def refuse_long(prompts, params):  # as the backend answers a prompt past its context
+        for i, p in enumerate(prompts):
+            if len(p) > 5:
+                raise InvalidRequest(f"prompts[{i}]", f"{len(p)} tokens + max_tokens 8 exceed the sampler's context 12")
+        return real(prompts, params)
+    client.generate = refuse_long
+
+    async def main():
+        prompts = [[1, 2]] * 4 + [[9] * 7] * 4
+        return await asyncio.gather(*(srv.generate(p, {"temperature": 1.0}, f"r{i}") for i, p in enumerate(prompts)),
+                                    return_exceptions=True)
+
+    outputs = asyncio.run(main())
+    assert all(o.token_ids[0] == 7 for o in outputs[:4])  # the good group is answered
+    for err in outputs[4:]:
+        assert isinstance(err, ValueError)
+        assert "arctic_rl refused a prompt of 7 tokens: 7 tokens + max_tokens 8 exceed the sampler's context 12" in str(err)
+
+
+def test_start_up_refuses_lengths_past_the_served_context(client):
+    from arctic_rl_verl.connect import ArcticSetupError
+    from arctic_rl_verl.rollout import check_context
+
+    context = client.status()["backend"]["max_context"]
+    check_context(client, context - 16, 16)
+    with pytest.raises(ArcticSetupError, match=rf"data.max_prompt_length \+ data.max_response_length = {context} \+ 16 "
+                                               rf"exceed the Arctic RL sampler's context of {context} tokens"):
+        check_context(client, context, 16)

@@ -44,11 +44,11 @@ def rendezvous():
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def worker_for(model_path: str, url: str) -> TrainingWorker:
+def worker_for(model_path: str, url: str, **optim) -> TrainingWorker:
     engine = ArcticEngineConfig(url=url, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
                                 infer_micro_batch_size_per_gpu=4)
     config = TrainingWorkerConfig(model_type="language_model", model_config=HFModelConfig(path=model_path, use_remove_padding=True),
-                                  engine_config=engine, optimizer_config=OptimizerConfig(lr=1e-2, clip_grad=1.0),
+                                  engine_config=engine, optimizer_config=OptimizerConfig(**{"lr": 1e-2, "clip_grad": 1.0, **optim}),
                                   checkpoint_config=CheckpointConfig())
     worker = TrainingWorker(config=config)
     worker.reset()
@@ -147,6 +147,21 @@ def test_misconfiguration_fails_at_start_up_saying_what_to_fix(tiny_model, serve
         worker_for(other, server)
     with pytest.raises(ArcticSetupError, match="actor_rollout_ref.actor.arctic.url is not set"):
         worker_for(tiny_model, None)
+    # The same shape with other weights (a base model where the server trains an instruct one, say).
+    same_shape = make_model(str(tmp_path / "same-shape"), seed=1)
+    with pytest.raises(ArcticSetupError, match="holds other weights than the model .* weights fingerprints differ"):
+        worker_for(same_shape, server)
+
+
+@pytest.mark.parametrize("optim, refused", [
+    ({"weight_decay": 0.1}, r"optim.weight_decay=0.1 but the Arctic RL job runs engine.weight_decay=0.01"),
+    ({"clip_grad": 5.0}, r"optim.clip_grad=5.0 but the Arctic RL job runs engine.grad_clip=1.0"),
+    ({"betas": (0.9, 0.95)}, r"optim.betas=\[0.9, 0.95\] but the Arctic RL job runs engine.betas"),
+])
+def test_verl_optimizer_settings_the_job_does_not_honour_are_refused_at_start_up(tiny_model, server, optim, refused):
+    """A server started with --config runs its own optimizer settings: verl's must agree, or name the difference."""
+    with pytest.raises(ArcticSetupError, match=refused):
+        worker_for(tiny_model, server, **optim)
 
 
 def test_the_cpu_process_group_patch_is_recorded_and_refuses_to_patch_twice():
@@ -193,3 +208,36 @@ print(get_rollout_class("arctic_rl").__name__, RolloutReplicaRegistry.get("arcti
     assert out.returncode == 0, out.stderr[-3000:]
     assert "failed to load" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["ArcticRolloutAdapter", "ArcticReplica"]
+
+
+@pytest.mark.parametrize("setting, refused", [
+    ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_mode='seq-mean-token-sum-norm' is not supported"),
+    ({"policy_loss": {"loss_mode": "gspo"}}, "policy_loss.loss_mode='gspo': arctic_rl serves 'vanilla'"),
+    ({"use_kl_loss": True}, "use_kl_loss=True needs a reference model"),
+])
+def test_loss_settings_it_cannot_honour_stop_the_run_when_the_actor_config_is_built(setting, refused):
+    """verl builds the actor's config when its workers start, before any rollout."""
+    from verl.workers.config import PolicyLossConfig
+
+    from arctic_rl_verl.config import ArcticActorConfig
+
+    if "policy_loss" in setting:
+        setting = {"policy_loss": PolicyLossConfig(**setting["policy_loss"])}
+    common = {"rollout_n": G, "ppo_mini_batch_size": GROUPS, "ppo_micro_batch_size_per_gpu": 4}
+    ArcticActorConfig(**common)  # verl's defaults are served
+    with pytest.raises(ValueError, match=refused):
+        ArcticActorConfig(**common, **setting)
+
+
+def test_verls_warm_up_schedule_reaches_the_servers_steps(tiny_model, server, client):
+    """Each optimizer step runs at the learning rate of verl's own schedule (linear warm-up over 3 steps)."""
+    worker = worker_for(tiny_model, server, lr_warmup_steps=3, total_training_steps=10)
+    engine = worker.engine
+    seq = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9], "advantages": [1.0, 1.0]}]
+    seen = []
+    for _ in range(5):
+        client.fwd_bwd(seq, "sft")
+        engine.optimizer_step()
+        seen.append(client.status()["backend"]["learning_rate"])
+        engine.lr_scheduler_step()
+    assert seen == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2])

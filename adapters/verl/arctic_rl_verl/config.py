@@ -12,6 +12,8 @@ from typing import Any, Optional
 from verl.workers.config import ActorConfig, CriticConfig
 from verl.workers.config.engine import EngineConfig
 
+from arctic_rl_verl.batch import loss_spec
+
 
 @dataclass
 class ArcticEngineConfig(EngineConfig):
@@ -23,8 +25,9 @@ class ArcticEngineConfig(EngineConfig):
     timeout_s: float = 600.0
     model_path: Optional[str] = None
     """The model folder as the server sees it; default: actor_rollout_ref.model.path."""
-    job: dict[str, Any] = field(default_factory=dict)
-    """Backend settings (`engine`, `sampler`, `zorro`) used to initialize a server that runs no job yet."""
+    job: Optional[dict[str, Any]] = None
+    """Backend settings (`engine`, `sampler`, `zorro`) used to initialize a server that runs no job yet. None in
+    the yaml, so `arctic.job={engine: {...}, sampler: {...}}` sets it whole (an empty dict would be a struct)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -40,6 +43,7 @@ class ArcticActorConfig(ActorConfig):
     def __post_init__(self):
         super().__post_init__()
         self.engine = self.arctic  # TrainingWorker builds the engine from ActorConfig.engine
+        loss_spec(self, temperature=1.0)  # a loss setting we cannot honour stops the run here, before any rollout
 
 
 @dataclass

@@ -6,9 +6,11 @@ import os
 
 from arctic_rl_core.client import ArcticRLClient
 from arctic_rl_core.errors import ArcticRLError, BackendUnavailable
+from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 from arctic_rl_core.types import MODEL_SHAPE_KEYS, model_shape
 
 URL_KEY = "actor_rollout_ref.actor.arctic.url"
+OPTIM_KEY = "actor_rollout_ref.actor.optim"
 
 
 class ArcticSetupError(RuntimeError):
@@ -35,13 +37,13 @@ def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
         raise ArcticSetupError(f"the Arctic RL server at {arctic.url} refused the connection ({err}); "
                                f"set ${arctic.token_env} to its token") from None
     if not status["initialized"]:
-        job = dict(arctic.job)
+        job = dict(arctic.job or {})
         engine = dict(job.pop("engine", {}))
         if optimizer_config is not None:
             engine.setdefault("learning_rate", optimizer_config.lr)
             engine.setdefault("weight_decay", optimizer_config.weight_decay)
-            if optimizer_config.clip_grad:
-                engine.setdefault("grad_clip", optimizer_config.clip_grad)
+            engine.setdefault("betas", list(optimizer_config.betas))
+            engine.setdefault("grad_clip", _grad_clip(optimizer_config))
         model_path = arctic.model_path or model_config.local_path
         try:
             client.initialize({"model_path": model_path, "engine": engine, **job})
@@ -56,4 +58,33 @@ def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
         detail = ", ".join(f"{k}: verl {a!r} vs server {b!r}" for k, (a, b) in differing.items())
         raise ArcticSetupError(f"actor_rollout_ref.model.path is not the model the Arctic RL server at {arctic.url} "
                                f"trains ({status['config']['model_path']}): {detail}")
+    ours_print, served_print = checkpoint_fingerprint(model_config.local_path), status["backend"].get("weights_fingerprint")
+    if ours_print and served_print and ours_print != served_print:
+        raise ArcticSetupError(f"actor_rollout_ref.model.path ({model_config.local_path}) holds other weights than the "
+                               f"model the Arctic RL server at {arctic.url} trains ({status['config']['model_path']}): "
+                               "same shape, different checkpoint (weights fingerprints differ)")
+    if optimizer_config is not None:
+        check_optimizer(optimizer_config, status["config"]["engine"])
     return client
+
+
+def _grad_clip(optim) -> float | None:
+    """verl's gradient clipping (`grad_clip` is its newer name for `clip_grad`); 0 or None: off."""
+    clip = optim.grad_clip if getattr(optim, "grad_clip", None) is not None else optim.clip_grad
+    return float(clip) if clip else None
+
+
+def check_optimizer(optim, engine: dict) -> None:
+    """Every verl optimizer setting the job does not honour is refused here, by name: the learning rate (verl's
+    schedule) reaches each step, the rest is the job's (set when the adapter starts the job, else job.yaml)."""
+    if getattr(optim, "optimizer", "AdamW") not in ("AdamW", "adamw"):
+        raise ArcticSetupError(f"{OPTIM_KEY}.optimizer={optim.optimizer}: the Arctic RL job trains with AdamW")
+    ours = {"weight_decay": float(optim.weight_decay), "betas": [float(b) for b in optim.betas],
+            "clip_grad": _grad_clip(optim)}
+    job = {"weight_decay": float(engine.get("weight_decay", 0.0)), "betas": [float(b) for b in engine.get("betas", [])],
+           "clip_grad": engine.get("grad_clip")}
+    names = {"weight_decay": "engine.weight_decay", "betas": "engine.betas", "clip_grad": "engine.grad_clip"}
+    for key, value in ours.items():
+        if value != job[key]:
+            raise ArcticSetupError(f"{OPTIM_KEY}.{key}={value} but the Arctic RL job runs {names[key]}={job[key]}: "
+                                   f"set one to the other (the server's job.yaml, or this override)")

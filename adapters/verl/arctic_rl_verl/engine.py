@@ -29,6 +29,26 @@ from arctic_rl_verl.connect import connect
 logger = logging.getLogger(__name__)
 
 
+def lr_schedule(optim) -> torch.optim.lr_scheduler.LambdaLR:
+    """verl's learning-rate schedule for these settings, built by verl's own functions as its FSDP engine builds it,
+    on a placeholder optimizer: it yields the learning rate of each step, which `step` sends to the backend."""
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+    placeholder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=optim.lr)
+    warmup = optim.lr_warmup_steps
+    if warmup is None or warmup <= 0:
+        warmup = int(optim.lr_warmup_steps_ratio * optim.total_training_steps)
+    kind = getattr(optim, "lr_scheduler_type", "constant")
+    if kind == "constant":
+        return get_constant_schedule_with_warmup(optimizer=placeholder, num_warmup_steps=warmup)
+    if kind == "cosine":
+        return get_cosine_schedule_with_warmup(
+            optimizer=placeholder, num_warmup_steps=warmup, num_training_steps=optim.total_training_steps,
+            min_lr_ratio=getattr(optim, "min_lr_ratio", None) or 0.0, num_cycles=getattr(optim, "num_cycles", 0.5),
+            zero_indexed_step=getattr(optim, "zero_indexed_step", True))
+    raise ValueError(f"actor_rollout_ref.actor.optim.lr_scheduler_type={kind!r}: verl knows constant and cosine")
+
+
 @EngineRegistry.register(model_type="language_model", backend="arctic_rl", device=["cuda", "npu", "cpu"])
 class ArcticRLEngine(BaseEngine):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config, **kwargs):
@@ -45,6 +65,7 @@ class ArcticRLEngine(BaseEngine):
             raise ValueError("arctic_rl serves the policy only, not a frozen reference model: set "
                              "actor_rollout_ref.actor.use_kl_loss=False and algorithm.use_kl_in_reward=False")
         self.client = connect(self.engine_config, self.model_config, self.optimizer_config)
+        self.schedule = lr_schedule(self.optimizer_config)  # from its start, as verl's own engine (a resume moves it)
 
     # -- no local parameters, nothing to offload -----------------------------------------------------
 
@@ -111,10 +132,11 @@ class ArcticRLEngine(BaseEngine):
         pass  # the backend's gradients are zeroed by its own step
 
     def optimizer_step(self):
-        return self.client.step(self.optimizer_config.lr).grad_norm
+        return self.client.step(self.schedule.get_last_lr()[0]).grad_norm
 
     def lr_scheduler_step(self):
-        return self.optimizer_config.lr  # constant: warm-up and decay schedules are not forwarded
+        self.schedule.step()
+        return self.schedule.get_last_lr()[0]
 
     # -- weights stay in the backend -----------------------------------------------------------------------
 
@@ -127,4 +149,7 @@ class ArcticRLEngine(BaseEngine):
         self.client.save_checkpoint(os.path.abspath(local_path))
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        self.client.load_checkpoint(os.path.abspath(local_path))
+        info = self.client.load_checkpoint(os.path.abspath(local_path))
+        self.schedule = lr_schedule(self.optimizer_config)
+        for _ in range(info.step):  # the schedule continues from the checkpoint's step
+            self.schedule.step()

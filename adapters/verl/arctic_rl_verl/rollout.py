@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.types import SamplingParams
 from arctic_rl_verl.connect import URL_KEY, ArcticSetupError, client_for
 
@@ -55,6 +57,21 @@ class RolloutSettings:
 
     def client(self) -> ArcticRLClient:
         return client_for(self.url, self.token_env, self.timeout_s)
+
+
+def _prompt_index(field: str) -> int | None:
+    """`prompts[3]` -> 3: which prompt of a generate call the backend refused."""
+    match = re.fullmatch(r"prompts\[(\d+)\]", field or "")
+    return int(match.group(1)) if match else None
+
+
+def check_context(client: ArcticRLClient, prompt_length: int, response_length: int) -> None:
+    """The longest prompt verl may send plus the response it asks for must fit the served context."""
+    context = client.status()["backend"]["max_context"]
+    if prompt_length + response_length > context:
+        raise ArcticSetupError(f"data.max_prompt_length + data.max_response_length = {prompt_length} + {response_length} "
+                               f"exceed the Arctic RL sampler's context of {context} tokens (its sampler.max_model_len, "
+                               "or the model's max_position_embeddings): lower them or serve a longer context")
 
 
 def to_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
@@ -123,15 +140,30 @@ class ArcticServer:
         if self._pending:  # groups still arriving
             self._flush = asyncio.create_task(self._send_batches())
         for key, requests in ready.items():
-            params = SamplingParams.model_validate_json(key)
+            await self._generate(requests, SamplingParams.model_validate_json(key))
+
+    async def _generate(self, requests: list, params: SamplingParams) -> None:
+        """One `generate` call for `requests`. A prompt the backend refuses (longer than its context, say) fails
+        alone, with the backend's reason, and the others are sent again without it."""
+        while requests:
             try:
                 completions = await asyncio.to_thread(self.client.generate, [p for p, _, _ in requests], params)
+            except InvalidRequest as err:
+                bad = _prompt_index(err.field)
+                if bad is not None and bad < len(requests):
+                    prompt, future, _ = requests.pop(bad)
+                    future.set_exception(ValueError(f"arctic_rl refused a prompt of {len(prompt)} tokens: {err.message}"))
+                    continue
+                for _, future, _ in requests:
+                    future.set_exception(err)
+                return
             except Exception as err:  # every waiting request sees the backend's error
                 for _, future, _ in requests:
                     future.set_exception(err)
-                continue
+                return
             for completion in completions:
                 requests[completion.prompt_index][1].set_result(completion)
+            return
 
     async def set_global_steps(self, global_steps: int):
         self.global_steps = global_steps
@@ -182,6 +214,7 @@ class ArcticRolloutAdapter(BaseRollout):
     def __init__(self, config, model_config, device_mesh=None, **kwargs):
         super().__init__(config, model_config, device_mesh)
         self.client = RolloutSettings.from_rollout_config(config).client()
+        check_context(self.client, int(self.config.prompt_length), int(self.config.response_length))
 
     async def resume(self, tags: list[str]):
         pass
