@@ -49,8 +49,10 @@ class TrainingAPI(ABC):
         (`source="trainer"`, ZoRRo-packed), or under the sampler's last synced ones (`source="sampler"`)."""
 
     @abstractmethod
-    def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec) -> FwdBwdResult:
-        """Forward and backward; gradients add up over calls until `step`."""
+    def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec, *, return_logprobs: bool = False,
+                with_entropy: bool = False) -> FwdBwdResult:
+        """Forward and backward; gradients add up over calls until `step`. With `return_logprobs`, the
+        response tokens' log-probs (and entropy) of the same forward come back too."""
 
     @abstractmethod
     def discard_gradients(self) -> None:

@@ -79,6 +79,20 @@ class SharedLock:
                 self._state.notify_all()
 
 
+def _per_sequence(count: int, micro_batches, outputs, with_entropy: bool):
+    """Per-token outputs of micro-batches, per sequence in the caller's order: (log-probs, entropy or None)."""
+    logprobs: list[list[float]] = [[] for _ in range(count)]
+    entropy: list[list[float]] = [[] for _ in range(count)]
+    for mb, out in zip(micro_batches, outputs):
+        offset = 0
+        for seq_id, length in zip(mb.sequence_ids, mb.response_lengths):
+            logprobs[seq_id] = out["logprobs"][offset : offset + length].tolist()
+            if with_entropy:
+                entropy[seq_id] = out["entropy"][offset : offset + length].tolist()
+            offset += length
+    return logprobs, entropy if with_entropy else None
+
+
 def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
     if not isinstance(sequences, list):
         raise InvalidRequest(field, "must be a list of sequences")
@@ -241,21 +255,16 @@ class InProcessBackend(TrainingAPI):
             raise InvalidRequest("source", f"must be 'trainer' or 'sampler', got {source!r}")
         post = self._post_chain([ProcessorSpec(name="apply_temperature", config={"temperature": temperature})]) if temperature != 1.0 else []
         micro = self._micro_batches(seqs)
-        logprobs: list[list[float]] = [[] for _ in seqs]
-        entropy: list[list[float]] = [[] for _ in seqs]
         # Lock order everywhere: train, weights, sampler.
         with (nullcontext() if self.engine.concurrent_forward else self._train_lock), self._weights_lock:
             outputs = self.engine.forward(micro, post, with_entropy)
-        for mb, out in outputs:
-            offset = 0
-            for seq_id, length in zip(mb.sequence_ids, mb.response_lengths):
-                logprobs[seq_id] = out["logprobs"][offset : offset + length].tolist()
-                if with_entropy:
-                    entropy[seq_id] = out["entropy"][offset : offset + length].tolist()
-                offset += length
-        return LogProbsResult(logprobs=logprobs, entropy=entropy if with_entropy else None, weight_version=self._weight_version)
+        logprobs, entropy = _per_sequence(len(seqs), [mb for mb, _ in outputs], [out for _, out in outputs], with_entropy)
+        return LogProbsResult(logprobs=logprobs, entropy=entropy, weight_version=self._weight_version)
 
-    def fwd_bwd(self, sequences, loss: LossSpec | dict | str) -> FwdBwdResult:
+    def fwd_bwd(self, sequences, loss: LossSpec | dict | str, *, return_logprobs: bool = False,
+                with_entropy: bool = False) -> FwdBwdResult:
+        if with_entropy and not return_logprobs:
+            raise InvalidRequest("with_entropy", "entropy is returned with the log-probs: set return_logprobs too")
         spec = parse(LossSpec, loss, "loss")
         entry = self.plugins.losses.get(spec.name, "loss.name")
         loss_config = entry.parse_config(spec.config, "loss.config")
@@ -266,11 +275,13 @@ class InProcessBackend(TrainingAPI):
         call = (micro, entry, loss_config, post)
         with self._train_lock, self._sampler_asleep():
             try:
-                value, metrics = self.engine.forward_backward(*call)
+                value, metrics, kept = self.engine.forward_backward(*call, keep_outputs=return_logprobs,
+                                                                    with_entropy=with_entropy)
             except BaseException:
                 self._restore_gradients()
                 raise
             self._accumulated.append(call)
+        logprobs, entropy = _per_sequence(len(seqs), micro, kept, with_entropy) if return_logprobs else (None, None)
         return FwdBwdResult(
             loss=value,
             metrics=metrics,
@@ -278,6 +289,8 @@ class InProcessBackend(TrainingAPI):
             num_sequences=len(seqs),
             computed_tokens=sum(int(mb.input_ids.numel()) for mb in micro),
             weight_version=self._weight_version,
+            logprobs=logprobs,
+            entropy=entropy,
         )
 
     def _restore_gradients(self) -> None:

@@ -146,6 +146,9 @@ class LossSpec(_Strict):
 class FwdBwdRequest(_Strict):
     sequences: list[Sequence]
     loss: LossSpec
+    return_logprobs: bool = False
+    """Return each response token's log-prob from the same forward (a framework's metrics need no second one)."""
+    with_entropy: bool = False
 
 
 class FwdBwdResult(_Strict):
@@ -157,6 +160,10 @@ class FwdBwdResult(_Strict):
     computed_tokens: int
     """Positions the model ran, padding included: with ZoRRo each shared prompt counts once."""
     weight_version: int
+    logprobs: list[list[float]] | None = None
+    """With `return_logprobs`: per sequence, each response token's log-prob (after the loss's post-processors)
+    under the weights the gradients were taken at, as `log_probs` would give them."""
+    entropy: list[list[float]] | None = None
 
 
 class StepRequest(_Strict):

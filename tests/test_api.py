@@ -153,3 +153,19 @@ def test_sft_loss_through_fwd_bwd_lowers_nll(make_api):
         backend.fwd_bwd(data, "sft")
         backend.step()
     assert backend.fwd_bwd(data, "sft").loss < first
+
+
+def test_fwd_bwd_returns_the_log_probs_and_entropy_of_its_own_forward(make_api):
+    backend = make_api()
+    seqs = grpo_batch()
+    expected = backend.log_probs(seqs, with_entropy=True, temperature=0.7)
+    hot = {"name": "grpo", "post": [{"name": "apply_temperature", "config": {"temperature": 0.7}}]}
+    out = backend.fwd_bwd(seqs, hot, return_logprobs=True, with_entropy=True)
+    for got, want in ((out.logprobs, expected.logprobs), (out.entropy, expected.entropy)):
+        assert [len(x) for x in got] == [len(x) for x in want]
+        assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-5
+    plain = backend.fwd_bwd(seqs, "grpo")
+    assert plain.logprobs is None and plain.entropy is None
+    with pytest.raises(InvalidRequest) as err:
+        backend.fwd_bwd(seqs, "grpo", with_entropy=True)
+    assert err.value.field == "with_entropy"

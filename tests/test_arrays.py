@@ -102,7 +102,7 @@ class RecordingBackend(TrainingAPI):
     def __init__(self):
         self.received: list[Sequence] = []
 
-    def fwd_bwd(self, sequences, loss):
+    def fwd_bwd(self, sequences, loss, **options):
         self.received = [(s.prompt_ids, s.response_ids, s.advantages, s.loss_mask) for s in sequences]
         return FwdBwdResult(loss=0.0, metrics={}, num_tokens=0, num_sequences=len(sequences), computed_tokens=0,
                             weight_version=0)

@@ -60,7 +60,7 @@ def test_two_ranks_update_exactly_as_one_rank_on_the_whole_batch(tiny_model, sta
         assert len(two.engine.placement) == 2
         for zorro in (True, False):  # the one switch, flipped at run time
             one.config.zorro.enable = two.config.zorro.enable = zorro
-            a, b = one.fwd_bwd(seqs, "grpo"), two.fwd_bwd(seqs, "grpo")
+            a, b = one.fwd_bwd(seqs, "grpo"), two.fwd_bwd(seqs, "grpo", return_logprobs=True)
             assert b.loss == pytest.approx(a.loss, rel=RTOL, abs=1e-7)
             assert b.computed_tokens == a.computed_tokens and b.num_tokens == a.num_tokens
             for name, value in a.metrics.items():
@@ -68,8 +68,8 @@ def test_two_ranks_update_exactly_as_one_rank_on_the_whole_batch(tiny_model, sta
             plan = two.engine.last_plan
             assert all(plan.micro_batches) and plan.groups[0].isdisjoint(plan.groups[1]), plan
             lp_a, lp_b = one.log_probs(seqs).logprobs, two.log_probs(seqs).logprobs
-            for x, y in zip(lp_a, lp_b):
-                assert close(torch.tensor(y), torch.tensor(x))
+            for x, y, z in zip(lp_a, lp_b, b.logprobs):  # fwd_bwd's own log-probs: gathered from both ranks
+                assert close(torch.tensor(y), torch.tensor(x)) and close(torch.tensor(z), torch.tensor(x))
             step_a, step_b = one.step(), two.step()
             assert step_b.grad_norm == pytest.approx(step_a.grad_norm, rel=RTOL)
             wa, wb = weights(one), weights(two)

@@ -27,9 +27,11 @@ class TrainingEngine(ABC):
     @abstractmethod
     def forward_backward(
         self, micro_batches: list[MicroBatch], loss: Registered, loss_config, post: list[tuple[Registered, object]],
-        scales: list[float] | None = None,
-    ) -> tuple[float, dict[str, float]]:
-        """Accumulate gradients of the loss over all micro-batches; return the loss and additive metrics.
+        scales: list[float] | None = None, keep_outputs: bool = False, with_entropy: bool = False,
+    ) -> tuple[float, dict[str, float], list[dict[str, torch.Tensor]] | None]:
+        """Accumulate gradients of the loss over all micro-batches; return the loss, additive metrics and, with
+        `keep_outputs`, each micro-batch's per-token "logprobs" (and "entropy" with `with_entropy`) from the
+        same forward, detached.
 
         `scales` (a trainer group's ranks) multiplies each micro-batch's loss before its backward; the
         returned loss and metrics are unscaled and leave out micro-batches scaled by 0."""

@@ -218,8 +218,10 @@ class DeepSpeedEngine(TrainingEngine):
         moved = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()}
         return LossInputs(**moved)
 
-    def forward_backward(self, micro_batches, loss, loss_config, post, scales=None):
-        with_entropy = bool(getattr(loss_config, "needs_entropy", lambda: False)())
+    def forward_backward(self, micro_batches, loss, loss_config, post, scales=None, keep_outputs=False,
+                         with_entropy=False):
+        with_entropy = with_entropy or bool(getattr(loss_config, "needs_entropy", lambda: False)())
+        kept = [] if keep_outputs else None
         total = 0.0
         metrics: dict[str, float] = defaultdict(float)
         failure: InvalidRequest | None = None
@@ -228,6 +230,8 @@ class DeepSpeedEngine(TrainingEngine):
             mb.inputs = self._inputs_on_device(mb.inputs)
             outputs = self._outputs(mb, post, with_entropy)
             value, mb_metrics = loss.fn(outputs, mb.inputs, loss_config)
+            if kept is not None:
+                kept.append({k: v.detach().float().cpu() for k, v in outputs.items() if k in ("logprobs", "entropy")})
             if value.dim() != 0:
                 raise ArcticRLError(f"loss {loss.name!r} returned shape {tuple(value.shape)}, expected a scalar")
             if failure is None and not torch.isfinite(value):
@@ -250,7 +254,7 @@ class DeepSpeedEngine(TrainingEngine):
                     metrics[name] += float(m)
         if failure is not None:
             raise failure
-        return total, dict(metrics)
+        return total, dict(metrics), kept
 
     @torch.no_grad()
     def forward(self, micro_batches, post, with_entropy):

@@ -61,8 +61,9 @@ class TrainerRank:
         return {"max_context": e.max_context, "vocab_size": e.vocab_size, "pad_token_id": e.pad_token_id,
                 "zorro_loaded": e.zorro_loaded, "node": self._node(), "pid": os.getpid()}
 
-    def forward_backward(self, micro_batches, scales, loss, loss_config, post):
-        return self.engine.forward_backward(micro_batches, loss, loss_config, post, scales=scales)
+    def forward_backward(self, micro_batches, scales, loss, loss_config, post, keep_outputs, with_entropy):
+        return self.engine.forward_backward(micro_batches, loss, loss_config, post, scales=scales,
+                                            keep_outputs=keep_outputs, with_entropy=with_entropy)
 
     def forward(self, micro_batches, post, with_entropy):
         return [out for _, out in self.engine.forward(micro_batches, post, with_entropy)]
@@ -251,19 +252,26 @@ class TrainerGroup(TrainingEngine):
 
     # -- TrainingEngine --------------------------------------------------------------------------
 
-    def forward_backward(self, micro_batches, loss, loss_config, post, scales=None):
+    def forward_backward(self, micro_batches, loss, loss_config, post, scales=None, keep_outputs=False,
+                         with_entropy=False):
         plan = self.last_plan = plan_ranks(micro_batches, self.ranks)
         refs = []
         for rank, batch, own in self._per_rank(plan, micro_batches):
             given = [1.0 if scales is None else scales[i] for i in plan.micro_batches[rank]]
             rank_scales = [s * self.ranks for s in given] + [0.0] * plan.fillers[rank]
-            refs.append(self.actors[rank].forward_backward.remote(batch, rank_scales, loss, loss_config, post))
+            refs.append(self.actors[rank].forward_backward.remote(batch, rank_scales, loss, loss_config, post,
+                                                                  keep_outputs, with_entropy))
         results = self._wait(refs)
         metrics: dict[str, float] = {}
-        for _, rank_metrics in results:
+        for _, rank_metrics, _ in results:
             for name, value in rank_metrics.items():
                 metrics[name] = metrics.get(name, 0.0) + value
-        return sum(value for value, _ in results), metrics
+        kept = None
+        if keep_outputs:  # back in the caller's micro-batch order; a rank's fillers come after its own
+            by_index = {i: out for rank, (_, _, outs) in enumerate(results)
+                        for i, out in zip(plan.micro_batches[rank], outs)}
+            kept = [by_index[i] for i in range(len(micro_batches))]
+        return sum(value for value, _, _ in results), metrics, kept
 
     def forward(self, micro_batches, post, with_entropy):
         plan = self.last_plan = plan_ranks(micro_batches, self.ranks)

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "zorro": "fwd_bwd and log_probs with ZoRRo off vs on",
     "server": "HTTP round-trip latency, payload throughput and fwd_bwd request overhead over loopback",
     "serve": "requests/s and tokens/s through /v1/completions vs the direct generate call, on one sampler",
+    "update": "an adapter's actor update: log_probs + fwd_bwd (two forwards) vs fwd_bwd returning log-probs (one)",
     "sync": "sync_weights time and GB/s per path and model size, beside memcpy",
     "scale": "generate with 1 vs 2 sampler replicas, fwd_bwd with 1 vs 2 trainer ranks, the driver's per-call overhead",
     "e2e": "seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async",

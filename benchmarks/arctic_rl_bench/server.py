@@ -92,7 +92,7 @@ def fwd_bwd_overhead(sequences: int, prompt_len: int, response_len: int, repeats
     class TensorizingBackend(TrainingAPI):
         """`fwd_bwd` parses its sequences and makes the tensors the engine's batching starts from; nothing else."""
 
-        def fwd_bwd(self, sequences, loss):
+        def fwd_bwd(self, sequences, loss, **options):
             seqs = [s if isinstance(s, Sequence) else Sequence.model_validate(s) for s in sequences]
             tokens = 0
             for s in seqs:

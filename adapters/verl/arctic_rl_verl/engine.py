@@ -5,10 +5,11 @@ verl's `TrainingWorker` drives it exactly as it drives its FSDP engine:
 `optimizer_step`, checkpoints. The weights live in the backend; this process holds none.
 
 Actor update: the whole mini-batch goes to the backend in one `fwd_bwd` call, so GRPO
-groups (verl's `uid`) arrive whole and ZoRRo computes each shared prompt once. verl's own
-loss function is also evaluated on the backend's log-probs of the same batch (no gradient),
-so the metrics verl reports (`actor/pg_loss`, `actor/pg_clipfrac`, `actor/ppo_kl`, ...) are
-verl's; `arctic/loss` is the backend's own value for the same loss, for comparison.
+groups (verl's `uid`) arrive whole and ZoRRo computes each shared prompt once. The call
+returns the log-probs (and entropy) of its own forward, and verl's own loss function is
+evaluated on them (no gradient), so the metrics verl reports (`actor/pg_loss`,
+`actor/pg_clipfrac`, `actor/ppo_kl`, ...) are verl's, from one forward per update;
+`arctic/loss` is the backend's own value for the same loss, for comparison.
 """
 
 from __future__ import annotations
@@ -107,7 +108,13 @@ class ArcticRLEngine(BaseEngine):
         sequences = sequences_from_batch(data)
         temperature = batch_temperature(data)
         with_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
-        scored = self.client.log_probs(sequences, with_entropy=with_entropy, temperature=temperature)
+        update = loss_function is not None and not forward_only
+        if update:
+            # One forward: fwd_bwd returns the log-probs it took gradients at, which verl's loss reads for its metrics.
+            scored = result = self.client.fwd_bwd(sequences, loss_spec(loss_function.keywords["config"], temperature),
+                                                  return_logprobs=True, with_entropy=with_entropy)
+        else:
+            scored = self.client.log_probs(sequences, with_entropy=with_entropy, temperature=temperature)
         model_output = {"log_probs": full_row_layout(scored.logprobs, data)}
         if with_entropy:
             model_output["entropy"] = full_row_layout(scored.entropy, data)
@@ -121,9 +128,7 @@ class ArcticRLEngine(BaseEngine):
                                                         dp_group=self.get_data_parallel_group())
             append_to_dict(metrics, verl_metrics)
             losses = [float(verl_loss)]
-            if not forward_only:
-                actor_config = loss_function.keywords["config"]
-                result = self.client.fwd_bwd(sequences, loss_spec(actor_config, temperature))
+            if update:
                 append_to_dict(metrics, {"arctic/loss": result.loss, "arctic/num_tokens": float(result.num_tokens),
                                          "arctic/groups": float(len({s.group_id for s in sequences}))})
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
