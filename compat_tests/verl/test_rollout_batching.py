@@ -94,13 +94,3 @@ def test_a_prompt_the_backend_refuses_fails_alone_and_says_why(server):
         assert isinstance(err, ValueError)
         assert "arctic_rl refused a prompt of 7 tokens: 7 tokens + max_tokens 8 exceed the sampler's context 12" in str(err)
 
-
-def test_start_up_refuses_lengths_past_the_served_context(client):
-    from arctic_rl_verl.connect import ArcticSetupError
-    from arctic_rl_verl.rollout import check_context
-
-    context = client.status()["backend"]["max_context"]
-    check_context(client, context - 16, 16)
-    with pytest.raises(ArcticSetupError, match=rf"data.max_prompt_length \+ data.max_response_length = {context} \+ 16 "
-                                               rf"exceed the Arctic RL sampler's context of {context} tokens"):
-        check_context(client, context, 16)

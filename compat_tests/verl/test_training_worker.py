@@ -149,7 +149,7 @@ def test_misconfiguration_fails_at_start_up_saying_what_to_fix(tiny_model, serve
         worker_for(tiny_model, None)
     # The same shape with other weights (a base model where the server trains an instruct one, say).
     same_shape = make_model(str(tmp_path / "same-shape"), seed=1)
-    with pytest.raises(ArcticSetupError, match="holds other weights than the model .* weights fingerprints differ"):
+    with pytest.raises(ArcticSetupError, match="holds other weights than the model .*weights fingerprints differ"):
         worker_for(same_shape, server)
 
 
@@ -241,3 +241,13 @@ def test_verls_warm_up_schedule_reaches_the_servers_steps(tiny_model, server, cl
         seen.append(client.status()["backend"]["learning_rate"])
         engine.lr_scheduler_step()
     assert seen == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3, 1e-2, 1e-2])
+
+
+def test_start_up_refuses_lengths_past_the_served_context(client):
+    from arctic_rl_verl.rollout import check_context
+
+    context = client.status()["backend"]["max_context"]
+    check_context(client, context - 16, 16)
+    with pytest.raises(ArcticSetupError, match=rf"data.max_prompt_length \+ data.max_response_length = {context} \+ 16 "
+                                               rf"exceed the Arctic RL sampler's context of {context} tokens"):
+        check_context(client, context, 16)
