@@ -10,6 +10,8 @@ change; GRPO groups reach the backend whole.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from functools import partial
 
 import pytest
@@ -251,3 +253,19 @@ def test_start_up_refuses_lengths_past_the_served_context(client):
     with pytest.raises(ArcticSetupError, match=rf"data.max_prompt_length \+ data.max_response_length = {context} \+ 16 "
                                                rf"exceed the Arctic RL sampler's context of {context} tokens"):
         check_context(client, context, 16)
+
+
+def test_more_than_one_verl_worker_is_refused_at_start_up(tiny_model, server):
+    """Two verl actor workers would each send their shard of a mini-batch and step: refused, saying why."""
+    code = ("import sys; sys.path[:0] = ['compat_tests/verl', '.']\n"
+            "from test_training_worker import worker_for\n"
+            f"try:\n    worker_for({tiny_model!r}, {server!r})\n    print('STARTED')\n"
+            "except Exception as err:\n    print('REFUSED', err)\n")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for rank in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for out in outs:
+        assert "REFUSED verl runs 2 actor workers (trainer.n_gpus_per_node x trainer.nnodes)" in out, out

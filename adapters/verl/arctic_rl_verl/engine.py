@@ -25,7 +25,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch
-from arctic_rl_verl.connect import connect
+from arctic_rl_verl.connect import ArcticSetupError, connect
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,14 @@ class ArcticRLEngine(BaseEngine):
         if getattr(self.engine_config, "forward_only", False):
             raise ValueError("arctic_rl serves the policy only, not a frozen reference model: set "
                              "actor_rollout_ref.actor.use_kl_loss=False and algorithm.use_kl_in_reward=False")
+        workers = self.get_data_parallel_size()
+        if workers > 1:
+            # Each worker would send its shard of a mini-batch as its own fwd_bwd and step: groups split, and as
+            # many optimizer steps per mini-batch as workers.
+            raise ArcticSetupError(f"verl runs {workers} actor workers (trainer.n_gpus_per_node x trainer.nnodes): "
+                                   "arctic_rl serves one, which sends each mini-batch whole; the backend parallelises "
+                                   "itself (engine.ranks, sampler.replicas). Set trainer.n_gpus_per_node=1 "
+                                   "trainer.nnodes=1")
         self.client = connect(self.engine_config, self.model_config, self.optimizer_config)
         self.schedule = lr_schedule(self.optimizer_config)  # from its start, as verl's own engine (a resume moves it)
 
