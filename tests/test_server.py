@@ -154,10 +154,10 @@ def test_ordered_calls_apply_in_order_and_reads_do_not_wait(tiny_model):
     started = threading.Event()
 
     class SlowBackend(InProcessBackend):
-        def fwd_bwd(self, sequences, loss):
+        def fwd_bwd(self, sequences, loss, **options):
             started.set()
             assert gate.wait(30)
-            return super().fwd_bwd(sequences, loss)
+            return super().fwd_bwd(sequences, loss, **options)
 
     settings = ServerSettings(port=free_loopback_port())
     with ServerThread(settings, BackendConfig(model_path=tiny_model, sampler=LIGHT_SAMPLER), backend_factory=SlowBackend) as url:
