@@ -49,21 +49,27 @@ def metric(log: str, name: str) -> list[float]:
     return [float(v) for v in re.findall(rf"{re.escape(name)}:(-?[0-9.eE+-]+)", log)]
 
 
-def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_path):
-    write_data(tmp_path)
-    (tmp_path / "reward.py").write_text(REWARD)
-    before = client.status()["backend"]
-    digest = client.state_digest()
+def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int) -> str:
+    """The documented command `marker` on a two-line data set; verl's log."""
+    write_data(folder)
+    (folder / "reward.py").write_text(REWARD)
     # `python` in the documented command is verl's environment's.
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "ARCTIC_RL_URL": server, "MODEL": tiny_model, "DATA": str(tmp_path),
-           "REWARD": str(tmp_path / "reward.py"), "STEPS": str(STEPS), "OUT": str(tmp_path / "out"),
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "ARCTIC_RL_URL": server, "MODEL": tiny_model, "DATA": str(folder),
+           "REWARD": str(folder / "reward.py"), "STEPS": str(steps), "OUT": str(folder / "out"),
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    proc = subprocess.run(["bash", "-c", documented_command("main_ppo")], capture_output=True, text=True,
-                          timeout=900, env=env, cwd=tmp_path)
+    proc = subprocess.run(["bash", "-c", documented_command(marker)], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=folder)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
+    return log
+
+
+def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_path):
+    before = client.status()["backend"]
+    digest = client.state_digest()
+    log = run_documented("main_ppo", tiny_model, server, tmp_path, STEPS)
 
     after = client.status()["backend"]
     # The job verl talked to: one process, or 2 trainer ranks and 2 sampler replicas (ARCTIC_RL_COMPAT_JOB).
@@ -86,6 +92,15 @@ def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_pa
 
 def run_python_module(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_verls_own_config_with_the_native_keys_runs_a_step_on_arctic_rl(tiny_model, server, client, tmp_path):
+    before = client.status()["backend"]
+    log = run_documented("main_ppo_native", tiny_model, server, tmp_path, 1)
+    after = client.status()["backend"]
+    assert after["optimizer_steps"] - before["optimizer_steps"] == 1
+    assert after["generated"]["completions"] - before["generated"]["completions"] >= 4 * 4
+    assert metric(log, "actor/arctic/loss") == pytest.approx(metric(log, "actor/pg_loss"), rel=1e-4, abs=1e-6)
 
 
 def test_unknown_settings_fail_at_start_up(tiny_model, tmp_path):
