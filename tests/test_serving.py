@@ -252,7 +252,8 @@ def test_pause_aborts_or_drains_in_flight_requests_and_holds_new_ones(server, mo
     restore = _slow_generate(backend, 1.0)
     try:
         flight, box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=30).json())
-        time.sleep(0.3)
+        while httpx.get(f"{url}/v1/status").json()["serving"]["in_flight"] < 1:  # the request is being sampled
+            time.sleep(0.01)
         started = time.monotonic()
         assert httpx.post(f"{url}/pause", params={"mode": mode}, timeout=30).json() == {"status": "paused"}
         paused_for = time.monotonic() - started

@@ -187,6 +187,14 @@ def truncated(model_dir):
         trainer = api.log_probs([Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids)
                                  for c in out]).logprobs
         result[name] = max_err([c.logprobs for c in out], trainer)
+    from arctic_rl_core.errors import InvalidRequest
+
+    try:  # at another temperature the model's own log-probs cannot be had from vLLM: refused, named
+        api.generate(prompts, {"max_tokens": 4, "temperature": 0.7, "top_p": 0.9})
+        result["hot_top_p"] = None
+    except InvalidRequest as err:
+        result["hot_top_p"] = err.field
+    result["hot_plain"] = len(api.generate(prompts, {"max_tokens": 4, "temperature": 0.7}))
     return result
 
 

@@ -14,6 +14,9 @@ class Sampler(ABC):
     max_context: int
     sync_route: str
     """How `load_weights` moves weights (reported by `status`)."""
+    exact_truncated_logprobs: bool = True
+    """Whether log-probs under top-k/top-p truncation are the model's own (temperature-scaled) at every
+    temperature; where not, the backend refuses such a request by name rather than report other numbers."""
     concurrent_generate: bool = False
     """Whether `generate` and `score` may run from several threads at once (a pool of replicas may)."""
 

@@ -46,7 +46,7 @@ class SamplerReplica:
 
     def facts(self) -> dict:
         return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
-                "sync_route": self.sampler.sync_route}
+                "sync_route": self.sampler.sync_route, "exact_truncated_logprobs": self.sampler.exact_truncated_logprobs}
 
     def generate(self, prompts, sampling: SamplingParams) -> list[Completion]:
         with self._busy:

@@ -392,6 +392,10 @@ class SamplerPool(Sampler):
 
         ray.get([s.actor.wake_up.remote() for s in self._slots if s.healthy])
 
+    @property
+    def exact_truncated_logprobs(self) -> bool:
+        return all(slot.facts.get("exact_truncated_logprobs", True) for slot in self._slots)
+
     def abort_generation(self) -> bool:
         """Every live replica ends the engine call it runs; False if one could not be reached."""
         import ray

@@ -55,6 +55,10 @@ def _top(step: dict, k: int) -> list[tuple[int, float]]:
 
 
 class VLLMSampler(Sampler):
+    # vLLM reports log-probs after truncation (renormalised); at temperature 1 they are scored again
+    # (`_untruncated`), at another one the model's own cannot be had from it.
+    exact_truncated_logprobs = False
+
     def __init__(self, config: BackendConfig):
         from transformers import AutoConfig
         from vllm import LLM
