@@ -32,6 +32,7 @@ scenarios: install
 compat: install
 	compat_tests/verl/run.sh
 	compat_tests/primerl/run.sh
+	compat_tests/skyrl/run.sh
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

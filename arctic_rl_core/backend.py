@@ -204,11 +204,12 @@ class InProcessBackend(TrainingAPI):
                     f"prompts[{i}]",
                     f"{len(prompt)} tokens + max_tokens {params.max_tokens} exceed the sampler's context {self.sampler.max_context}",
                 )
-        truncated = "sampling.top_p" if params.top_p < 1 else "sampling.top_k" if params.top_k > 0 else None
+        truncated = ("sampling.top_p" if params.top_p < 1 else "sampling.top_k" if params.top_k > 0
+                     else "sampling.min_tokens" if params.min_tokens > 0 else None)
         if truncated and params.temperature not in (0.0, 1.0) and not self.sampler.exact_truncated_logprobs:
             raise InvalidRequest(truncated, f"the {self.config.sampler.name} sampler's log-probs under top-k/top-p "
-                                            f"truncation at temperature {params.temperature} are not the model's own: "
-                                            "sample at temperature 1, or without truncation")
+                                            f"truncation or min_tokens at temperature {params.temperature} are not the "
+                                            "model's own: sample at temperature 1, or without them")
         bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")

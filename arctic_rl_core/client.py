@@ -97,6 +97,10 @@ class ArcticRLClient(TrainingAPI):
         self._core = _ClientCore(url, token, retries, backoff_s)
         self._http = httpx.Client(base_url=self._core.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
 
+    @property
+    def url(self) -> str:
+        return self._core.url
+
     def _send(self, method: str, path: str, **kwargs) -> httpx.Response:
         for attempt in range(self._core.retries + 1):
             try:

@@ -186,6 +186,8 @@ class SamplingParams(_Strict):
     top_k: int = Field(default=0, ge=0)
     """0 disables top-k."""
     max_tokens: int = Field(default=64, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    """Stop tokens (EOS, `stop_token_ids`) are not sampled before this many tokens (vLLM's `min_tokens`)."""
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -202,6 +204,8 @@ class SamplingParams(_Strict):
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         if self.temperature == 0 and self.n > 1:
             raise ValueError("n must be 1 with temperature 0: greedy samples of one prompt are all the same")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
 

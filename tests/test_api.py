@@ -143,6 +143,14 @@ def test_generate_contract(make_api, tiny_model):
     first = greedy[0].token_ids[0]
     stopped = backend.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=[first]))
     assert stopped[0].token_ids == [first] and stopped[0].finish_reason == "stop"
+    # min_tokens: no stop token before it (SkyRL sends 1); the log-probs stay the model's own.
+    held = backend.generate([[5, 6, 7]], SamplingParams(max_tokens=4, min_tokens=2, temperature=0, stop_token_ids=[first]))
+    assert len(held[0].token_ids) >= 2 and held[0].token_ids[0] != first
+    scored = backend.log_probs([Sequence(prompt_ids=[5, 6, 7], response_ids=held[0].token_ids)]).logprobs[0]
+    assert max(abs(a - b) for a, b in zip(scored, held[0].logprobs)) < 1e-4
+    with pytest.raises(InvalidRequest) as err:
+        backend.generate([[5, 6, 7]], {"max_tokens": 2, "min_tokens": 3})
+    assert err.value.field == "sampling" and "min_tokens" in err.value.message
 
 def test_sft_loss_through_fwd_bwd_lowers_nll(make_api):
     backend = make_api(learning_rate=1e-2)

@@ -38,6 +38,7 @@ def logp_leaf(values):
         ("seq-mean-token-sum", [0, 0, 0, 1], (6 + 4) / 2),
         ("prompt-mean", [0, 0, 0, 1], (2 + 4) / 2),
         ("prompt-mean", [0, 0, 0, 0], 10 / 4),
+        ("token-sum", [0, 0, 0, 1], 10),
     ],
 )
 def test_aggregation_modes(mode, groups, expected):
@@ -126,6 +127,17 @@ def test_entropy_bonus_is_subtracted():
     loss, metrics = grpo_loss({"logprobs": logp, "entropy": entropy}, inputs, GRPOConfig(entropy_coeff=0.01))
     assert loss.item() == pytest.approx(-0.01 * 3.0, rel=1e-6)
     assert float(metrics["entropy"]) == pytest.approx(3.0)
+
+
+def test_entropy_bonus_can_be_aggregated_apart_from_the_policy_term():
+    # Sequences of 1 and 3 tokens: the policy term summed (token-sum), the bonus per sequence (SkyRL's, for
+    # micro-batches of one sample): (2 + (4 + 4 + 4) / 3) / 2 = 3 against a token mean of 14 / 4.
+    logp = logp_leaf([-1.0, -1.0, -1.0, -1.0])
+    entropy = torch.tensor([2.0, 4.0, 4.0, 4.0])
+    inputs = make_inputs([0, 1, 1, 1], behaviour_logprobs=[-1.0] * 4, advantages=[0.5, 0.25, 0.25, 0.25])
+    config = GRPOConfig(loss_agg_mode="token-sum", entropy_coeff=0.1, entropy_agg_mode="seq-mean-token-mean")
+    loss, _ = grpo_loss({"logprobs": logp, "entropy": entropy}, inputs, config)
+    assert loss.item() == pytest.approx(-(0.5 + 3 * 0.25) - 0.1 * 3.0, rel=1e-6)
 
 
 def test_cispo_uses_stopped_clipped_weight_times_logp_gradient():

@@ -113,4 +113,6 @@ def test_abort_generation_ends_the_engine_loop_and_the_engine_serves_on(tiny_mod
 def test_truncated_sampling_reports_the_models_own_log_probs_at_temperature_one(tiny_model):
     result = run_scenario("truncated", tiny_model)
     assert result["top_p"] < 1e-3 and result["top_k"] < 1e-3 and result["plain"] < 1e-3, result
-    assert result["hot_top_p"] == "sampling.top_p" and result["hot_plain"] == 2
+    assert result["min_tokens"] < 1e-3 and result["min_tokens_shortest"] >= 6, result
+    assert result["hot_top_p"] == "sampling.top_p" and result["hot_min_tokens"] == "sampling.min_tokens"
+    assert result["hot_plain"] == 2

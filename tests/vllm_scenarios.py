@@ -182,11 +182,13 @@ def truncated(model_dir):
     api = backend(model_dir)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     result = {}
-    for name, sampling in (("top_p", {"top_p": 0.5}), ("top_k", {"top_k": 5}), ("plain", {})):
+    for name, sampling in (("top_p", {"top_p": 0.5}), ("top_k", {"top_k": 5}), ("min_tokens", {"min_tokens": 6}),
+                           ("plain", {})):
         out = api.generate(prompts, {"n": 2, "max_tokens": 8, "seed": 3, "temperature": 1.0, **sampling})
         trainer = api.log_probs([Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids)
                                  for c in out]).logprobs
         result[name] = max_err([c.logprobs for c in out], trainer)
+        result[f"{name}_shortest"] = min(len(c.token_ids) for c in out)
     from arctic_rl_core.errors import InvalidRequest
 
     try:  # at another temperature the model's own log-probs cannot be had from vLLM: refused, named
@@ -194,6 +196,11 @@ def truncated(model_dir):
         result["hot_top_p"] = None
     except InvalidRequest as err:
         result["hot_top_p"] = err.field
+    try:
+        api.generate(prompts, {"max_tokens": 4, "temperature": 0.7, "min_tokens": 1})
+        result["hot_min_tokens"] = None
+    except InvalidRequest as err:
+        result["hot_min_tokens"] = err.field
     result["hot_plain"] = len(api.generate(prompts, {"max_tokens": 4, "temperature": 0.7}))
     return result
 

@@ -12,9 +12,9 @@ Per response token (logp: current policy, old: behaviour policy, A: advantage):
   pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead)
   pg    *= sg(exp(prox - old)), tokens with weight > behav_imp_weight_cap masked   (decoupled)
   M2PO:  mask the tokens with the largest (prox - old)^2 until the rest's mean < m2_threshold
-  token  = pg + kl_loss_coef * KL(logp, ref) - entropy_coeff * entropy
+  token  = pg + kl_loss_coef * KL(logp, ref)
   KL     k1: logp - ref;   k3 / low_var_kl: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]
-  loss   = aggregate(token, loss_agg_mode)
+  loss   = aggregate(token, loss_agg_mode) - entropy_coeff * aggregate(entropy, entropy_agg_mode or loss_agg_mode)
 
 Without behaviour log-probs the data is taken as on-policy: old = logp.detach().
 docs/losses.md gives the same formulas with every config key.
@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from arctic_rl_core.losses.inputs import LossInputs
+from arctic_rl_core.losses.inputs import AggregationMode, LossInputs
 from arctic_rl_core.losses.registry import register_loss_fn
 from arctic_rl_core.types import MAX_VERSION
 
@@ -40,7 +40,9 @@ class GRPOConfig(BaseModel):
     """Upper clip bound (clip-higher, DAPO). Defaults to eps_clip."""
     c_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "prompt-mean"] = "token-mean"
+    loss_agg_mode: AggregationMode = "token-mean"
+    entropy_agg_mode: AggregationMode | None = None
+    """How the entropy term is aggregated, when not as the rest of the loss (SkyRL: per sequence)."""
     kl_loss_coef: float = Field(0.0, ge=0)
     kl_loss_type: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coeff: float = 0.0
@@ -168,13 +170,13 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
         kl = kl_penalty(logp, inputs.ref_logprobs, config.kl_loss_type)
         token_loss = token_loss + config.kl_loss_coef * kl
         metrics["kl"] = inputs.token_mean(kl * keep)
-    if config.entropy_coeff != 0:
-        entropy = outputs["entropy"]
-        token_loss = token_loss - config.entropy_coeff * entropy
-        metrics["entropy"] = inputs.token_mean(entropy * keep)
-
     weights = inputs.token_weights(config.loss_agg_mode)
     loss = (token_loss * keep * weights).sum()
+    if config.entropy_coeff != 0:
+        entropy = outputs["entropy"]
+        entropy_weights = weights if config.entropy_agg_mode is None else inputs.token_weights(config.entropy_agg_mode)
+        loss = loss - config.entropy_coeff * (entropy * keep * entropy_weights).sum()
+        metrics["entropy"] = inputs.token_mean(entropy * keep)
     metrics.update(
         pg_loss=(pg * keep * weights).sum().detach(),
         clip_frac=inputs.token_mean(clipped * mask),

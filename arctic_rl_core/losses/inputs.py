@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "prompt-mean"]
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "prompt-mean", "token-sum"]
 
 
 @dataclass
@@ -52,6 +52,9 @@ class LossInputs:
         if mode == "prompt-mean":
             per_group = self.group_tokens[self.group_index].clamp(min=1.0)
             return mask / per_group / max(self.num_groups, 1)
+        if mode == "token-sum":
+            # For callers whose per-token values already carry their normalisation (SkyRL scales advantages).
+            return mask
         raise ValueError(f"unknown aggregation mode {mode!r}")
 
     def aggregate(self, token_values: torch.Tensor, mode: AggregationMode) -> torch.Tensor:

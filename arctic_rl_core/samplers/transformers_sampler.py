@@ -64,6 +64,7 @@ class TransformersSampler(Sampler):
             top_p=None if greedy else sampling.top_p,
             top_k=None if greedy else (sampling.top_k or None),
             max_new_tokens=sampling.max_tokens,
+            min_new_tokens=sampling.min_tokens or None,
             eos_token_id=stop_ids or None,
             pad_token_id=stop_ids[0] if stop_ids else 0,
             stop_strings=sampling.stop or None,

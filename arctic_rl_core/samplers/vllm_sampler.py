@@ -55,8 +55,8 @@ def _top(step: dict, k: int) -> list[tuple[int, float]]:
 
 
 class VLLMSampler(Sampler):
-    # vLLM reports log-probs after truncation (renormalised); at temperature 1 they are scored again
-    # (`_untruncated`), at another one the model's own cannot be had from it.
+    # vLLM reports log-probs after truncation and min_tokens' masking (renormalised); at temperature 1 they
+    # are scored again (`_untruncated`), at another one the model's own cannot be had from it.
     exact_truncated_logprobs = False
 
     def __init__(self, config: BackendConfig):
@@ -112,7 +112,7 @@ class VLLMSampler(Sampler):
 
         return VLLMParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens, stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
+            max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
             seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
         )
 
@@ -163,13 +163,14 @@ class VLLMSampler(Sampler):
                             for step, token in zip(request.prompt_logprobs[1:], prompts[index][1:])],
                     )
                 )
-        if sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0):
+        if sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_tokens > 0):
             self._untruncated(prompts, completions)
         return completions
 
     def _untruncated(self, prompts, completions: list[Completion]) -> None:
-        """vLLM reports the log-probs of the top-k/top-p truncated distribution, renormalised over the tokens it
-        kept; the trainer computes the model's own. At temperature 1 the sampled tokens are scored again, by
+        """vLLM reports the log-probs of the top-k/top-p truncated distribution (and, for the first min_tokens
+        tokens, of the one without stop tokens), renormalised over the tokens it kept; the trainer computes the
+        model's own. At temperature 1 the sampled tokens are scored again, by
         one prefill of each (prefix-cached) sequence, so the behaviour log-probs are the model's, as the
         trainer's are (`Completion.top_logprobs` stay vLLM's)."""
         scored = [i for i, c in enumerate(completions) if c.token_ids]

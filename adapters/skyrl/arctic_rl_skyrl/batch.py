@@ -1,0 +1,66 @@
+"""Translating between SkyRL's `TrainingInputBatch` and the training API's `Sequence`s.
+
+SkyRL lays a batch out left-padded: row i is `sequences[i][attention_mask[i]]`, its last
+`response_mask[i].sum()` tokens the response; response-level tensors (`loss_mask`,
+`advantages`, log-probs) are right-aligned in `[B, response_length]`, so a row's response
+values are its last r entries. The training API speaks response tokens only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from arctic_rl_core.types import Sequence
+
+
+def group_ids(data, boundaries: list[tuple[int, int]] | None = None) -> list[str | None]:
+    """The GRPO group of each row: SkyRL's `uids` while the batch has them, else its per-prompt boundaries
+    (the trainer drops `uids` before training); a row in neither is a group of its own."""
+    uids = data.metadata.get("uids") if data.metadata else None
+    if uids is not None and len(uids) == len(data):
+        return [str(u) for u in uids]
+    groups: list[str | None] = [None] * len(data)
+    for index, (start, end) in enumerate(boundaries or []):
+        for row in range(max(start, 0), min(end, len(data))):
+            groups[row] = f"prompt-{index}"
+    return groups
+
+
+def _response(values: torch.Tensor | None, row: int, length: int) -> np.ndarray | None:
+    return None if values is None else values[row, values.shape[1] - length:].float().cpu().numpy()
+
+
+def response_lengths(data) -> list[int]:
+    return data["response_mask"].sum(dim=1).long().tolist()
+
+
+def sequences_from_batch(data, groups: list[str | None], behaviour_key: str | None = None,
+                         lengths: list[int] | None = None) -> list[Sequence]:
+    """One `Sequence` per row, with the advantages (already scaled by SkyRL's loss reduction), loss mask and,
+    when `behaviour_key` names one, the log-probs the PPO ratio is taken against. `lengths`: the rows'
+    response lengths, for a batch without its `response_mask`."""
+    sequences, attention = data["sequences"], data["attention_mask"].bool()
+    lengths = response_lengths(data) if lengths is None else lengths
+    advantages, loss_mask = data.get("advantages"), data.get("loss_mask")
+    behaviour = data.get(behaviour_key) if behaviour_key else None
+    out = []
+    for row, length in enumerate(lengths):
+        if length < 1:
+            raise ValueError(f"row {row} of SkyRL's batch has an empty response")
+        tokens = sequences[row][attention[row]].cpu().numpy()
+        out.append(Sequence(
+            prompt_ids=tokens[:-length], response_ids=tokens[-length:], group_id=groups[row],
+            advantages=_response(advantages, row, length), loss_mask=_response(loss_mask, row, length),
+            behaviour_logprobs=_response(behaviour, row, length),
+        ))
+    return out
+
+
+def right_aligned(per_response: list[list[float]], width: int) -> torch.Tensor:
+    """Response values as SkyRL holds them: `[B, width]`, each row's values in its last entries."""
+    out = torch.zeros(len(per_response), width, dtype=torch.float32)
+    for row, values in enumerate(per_response):
+        if values:
+            out[row, width - len(values):] = torch.tensor(values, dtype=torch.float32)
+    return out

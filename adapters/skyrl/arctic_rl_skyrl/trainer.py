@@ -1,0 +1,69 @@
+"""SkyRL's own experiment and trainer, with the policy's work delegated to the Arctic RL server.
+
+`ArcticPPOExp` is SkyRL's `BasePPOExp` building the same tracker, inference client (SkyRL's
+`RemoteInferenceClient` on the server's vLLM-compatible routes), generator (SkyRL-Gym's) and
+trainer; only the models differ: `ArcticPPOTrainer.build_models` installs an `ArcticDispatch`
+where SkyRL would start FSDP or Megatron workers. The training loop, advantages, rewards, dynamic
+sampling and logging are SkyRL's code, unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+from loguru import logger
+from skyrl.train.entrypoints.main_base import BasePPOExp
+from skyrl.train.trainer import RayPPOTrainer
+
+from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_skyrl.dispatch import ArcticDispatch
+
+
+def policy_training_steps(cfg, total_training_steps: int | None) -> int | None:
+    """Optimizer steps over the run, as SkyRL counts them for its policy's schedule."""
+    if total_training_steps is None:
+        return None
+    per_batch = cfg.trainer.train_batch_size // cfg.trainer.policy_mini_batch_size * cfg.trainer.update_epochs_per_batch
+    return total_training_steps * per_batch
+
+
+class ArcticPPOTrainer(RayPPOTrainer):
+    client: ArcticRLClient
+
+    def build_models(self, PolicyWorker=None, CriticWorker=None, RefWorker=None):
+        self.policy_model = self.critic_model = self.ref_model = None
+        self.dispatch = ArcticDispatch(self.cfg, self.client,
+                                       policy_training_steps(self.cfg, self.total_training_steps))
+        logger.info(f"policy training delegated to the Arctic RL server at {self.client.url}")
+
+    def fwd_logprobs_values_reward(self, training_input):
+        self.dispatch.expect_rows(training_input)
+        return super().fwd_logprobs_values_reward(training_input)
+
+
+class ArcticPPOExp(BasePPOExp):
+    def __init__(self, cfg, client: ArcticRLClient):
+        super().__init__(cfg)
+        self.client = client
+
+    def get_trainer(self, *args, **kwargs) -> ArcticPPOTrainer:
+        trainer = ArcticPPOTrainer(*args, **kwargs)
+        trainer.client = self.client
+        return trainer
+
+    def _setup_trainer(self) -> ArcticPPOTrainer:
+        """SkyRL's set-up (tracker, inference client, generator, trainer) without its model workers."""
+        logger.info(self.get_cfg_as_str(self.cfg))
+        os.makedirs(self.cfg.trainer.export_path, exist_ok=True)
+        os.makedirs(self.cfg.trainer.ckpt_path, exist_ok=True)
+        tracker = self.get_tracker()
+        inference_client = self.get_inference_client()
+        generator = self.get_generator(self.cfg, self.tokenizer, inference_client)
+        trainer = self.get_trainer(cfg=self.cfg, tracker=tracker, tokenizer=self.tokenizer,
+                                   train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                                   inference_engine_client=inference_client, generator=generator,
+                                   colocate_pg=self.colocate_pg)
+        trainer.trajectory_logger = self.get_trajectory_logger()
+        self.trainer = trainer
+        trainer.build_models()
+        return trainer

@@ -1,0 +1,80 @@
+"""Fixtures for the SkyRL compatibility tests, which run in SkyRL's own environment (see run.sh).
+
+The Arctic RL server runs in the main environment, as a separate process, on a tiny Qwen3 model that
+both sides load from the same folder (SkyRL reads its tokenizer and config).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from compat_tests.main_server import make_tiny_model, serving
+
+LEARNING_RATE = 1e-2
+"""The job's, for the supervised warm-up below; SkyRL's steps send their own (its schedule's)."""
+# SkyRL's optimizer defaults, which the adapter checks the job against.
+OPTIMIZER = {"weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0}
+QUESTIONS = {"What is 2 + 3?": ("5", "7"), "What is 4 + 4?": ("8", "6"), "What is 1 + 2?": ("3", "4"),
+             "What is 3 + 3?": ("6", "9")}
+"""Each question with its right answer and a wrong one: the warm-up teaches both, so GRPO groups get mixed rewards."""
+SFT_STEPS = 60
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model") / "tiny-qwen3")
+    return make_tiny_model(path, "--family", "qwen3", "--max-positions", "1024")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    """`arctic-rl serve` with a job on the tiny model: DeepSpeed and the transformers sampler, in the main environment."""
+    work = tmp_path_factory.mktemp("server")
+    job = {"model_path": tiny_model, "sampler": {"name": "transformers"},
+           "engine": {"learning_rate": LEARNING_RATE, **OPTIMIZER}}
+    with serving(job, work, "--checkpoint-dir", str(work / "checkpoints")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from arctic_rl_core.client import ArcticRLClient
+
+    return ArcticRLClient(server, retries=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def prompt_ids(tokenizer, question: str) -> list[int]:
+    """The prompt as SkyRL's generator renders it (the model's chat template, with the generation prompt)."""
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False))
+
+
+@pytest.fixture(scope="session")
+def gsm8k_model(client, tokenizer):
+    """Teach the random tiny model, through the training API, to answer each question in GSM8K's `#### n` form,
+    half the time rightly: SkyRL-Gym's gsm8k environment then rewards some samples of a group and not others,
+    so GRPO has advantages to train on. Returns the weight version SkyRL starts from."""
+    from arctic_rl_core.types import Sequence
+
+    end = tokenizer.eos_token_id  # where the sampler stops (the tiny model's generation config)
+    seqs = []
+    for question, answers in QUESTIONS.items():
+        for answer in answers:
+            seqs.append(Sequence(prompt_ids=prompt_ids(tokenizer, question),
+                                 response_ids=tokenizer.encode(f"#### {answer}", add_special_tokens=False) + [end]))
+    losses = []
+    for _ in range(SFT_STEPS):
+        losses.append(client.fwd_bwd(seqs, "sft").loss)
+        client.step()
+    # Two answers per prompt: the loss cannot go below the answer's entropy, ln 2 over the answer's tokens.
+    assert math.isfinite(losses[-1]) and losses[-1] < losses[0] / 4, f"SFT did not learn: {losses[::10]}"
+    return client.sync_weights()
