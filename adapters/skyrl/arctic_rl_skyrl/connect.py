@@ -34,9 +34,6 @@ def check_inference(cfg, settings: ArcticSettings) -> None:
         raise ArcticSetupError("generator.inference_engine.enable_ray_prometheus_stats=true scrapes the vLLM engines "
                                "SkyRL runs under Ray, and there are none: set it to false (the Arctic RL server's "
                                "sampler reports in its /v1/status)")
-    if cfg.trainer.placement.colocate_all:
-        raise ArcticSetupError("trainer.placement.colocate_all=true: placement is the Arctic RL server's (its "
-                               "sampler.sleep_during_training); set it to false")
     if cfg.trainer.hf_save_interval > 0:
         raise ArcticSetupError("trainer.hf_save_interval > 0: the weights are the Arctic RL server's; export them "
                                "from its checkpoints instead (set it to -1)")

@@ -42,6 +42,11 @@ def lr_schedule(optim, num_training_steps: int | None):
                          num_training_steps=num_training_steps)
 
 
+def _advance(schedule) -> None:
+    schedule.optimizer.step()  # a no-op (no gradients): the order torch expects before the schedule's step
+    schedule.step()
+
+
 def _find_rows(rows: torch.Tensor, wanted: torch.Tensor) -> list[int]:
     """Where each row of `wanted` is in `rows` (SkyRL forwards the whole batch, or a contiguous mini-batch of it)."""
     for start in range(rows.shape[0] - wanted.shape[0] + 1):
@@ -210,7 +215,7 @@ class ArcticDispatch:
     def optim_step(self, model: str, model_id=None) -> float | None:
         self._policy(model)
         grad_norm = self.client.step(self.schedule.get_last_lr()[0]).grad_norm
-        self.schedule.step()
+        _advance(self.schedule)
         return grad_norm
 
     def set_lr(self, model: str, learning_rate: float, model_id=None) -> None:
@@ -232,8 +237,9 @@ class ArcticDispatch:
         name = os.path.join(self.checkpoint_prefix, os.path.basename(os.path.dirname(os.path.abspath(ckpt_dir))))
         info = self.client.save_checkpoint(name)
         os.makedirs(ckpt_dir, exist_ok=True)
+        # The schedule's own position: the job's step count also holds steps taken outside this run.
         record = {"name": name, "server_path": info.path, "step": info.step, "weight_version": info.weight_version,
-                  "server": self.client.url}
+                  "schedule_steps": self.schedule.last_epoch, "server": self.client.url}
         with open(os.path.join(ckpt_dir, HANDLE_FILE), "w") as f:
             json.dump(record, f)
 
@@ -252,10 +258,10 @@ class ArcticDispatch:
                 record = json.load(f)
         except FileNotFoundError:
             raise ArcticSetupError(f"{ckpt_dir} was not saved through Arctic RL (no {HANDLE_FILE})") from None
-        info = self.client.load_checkpoint(record["name"])
+        self.client.load_checkpoint(record["name"])
         self.schedule = lr_schedule(self.cfg.trainer.policy.optimizer_config, self.num_training_steps)
-        for _ in range(info.step):  # the schedule continues from the checkpoint's step
-            self.schedule.step()
+        for _ in range(record["schedule_steps"]):  # the schedule continues where it was saved
+            _advance(self.schedule)
 
     def save_hf_model(self, model: str, export_dir: str, tokenizer) -> None:
         raise ArcticSetupError("trainer.hf_save_interval: the weights are the Arctic RL server's; export them from "

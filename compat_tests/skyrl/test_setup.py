@@ -1,0 +1,79 @@
+"""Start-up through the adapter's entry point, and checkpoints through its dispatch.
+
+A configuration the backend would not honour fails in seconds, naming the key, before SkyRL builds
+anything; checkpoints live in the server's folder, SkyRL's folder holding only which one it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from arctic_rl_core.types import Sequence
+from arctic_rl_skyrl.dispatch import HANDLE_FILE, ArcticDispatch
+from arctic_rl_skyrl.entrypoint import main
+from arctic_rl_skyrl.losses import ArcticSetupError
+from arctic_rl_skyrl.settings import split_overrides
+
+
+def overrides(server: str, model: str, *extra: str) -> list[str]:
+    return ["trainer.override_entrypoint=arctic_rl_skyrl.entrypoint", f"trainer.arctic_rl.url={server}",
+            "generator.inference_engine.run_engines_locally=false",
+            f"generator.inference_engine.external_proxy_url={server}",
+            "generator.inference_engine.enable_ray_prometheus_stats=false", "trainer.placement.colocate_all=false",
+            f"trainer.policy.model.path={model}", "trainer.algorithm.use_kl_loss=false", "trainer.logger=console",
+            *extra]
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["generator.inference_engine.external_proxy_url=http://127.0.0.1:1"], "external_proxy_url"),
+    (["generator.inference_engine.run_engines_locally=true"], "run_engines_locally"),
+    (["generator.inference_engine.enable_ray_prometheus_stats=true"], "enable_ray_prometheus_stats"),
+    (["trainer.policy.optimizer_config.weight_decay=0.0"], "optimizer_config.weight_decay"),
+    (["trainer.policy.optimizer_config.max_grad_norm=0.5"], "optimizer_config.max_grad_norm"),
+    (["trainer.algorithm.use_kl_loss=true"], "use_kl_loss"),
+])
+def test_a_setting_the_backend_would_not_honour_stops_start_up_by_name(server, tiny_model, extra, named):
+    with pytest.raises(ArcticSetupError, match=named):
+        main(overrides(server, tiny_model, *extra))
+
+
+def test_the_adapters_own_settings_are_checked_by_name(server, tiny_model):
+    with pytest.raises(SystemExit, match="trainer.arctic_rl.tokn_env"):
+        main(overrides(server, tiny_model, "trainer.arctic_rl.tokn_env=X"))
+    with pytest.raises(ArcticSetupError, match="no Arctic RL server answers"):
+        main(overrides("http://127.0.0.1:9", tiny_model))
+
+
+def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, client, tiny_model, tmp_path):
+    from skyrl.train.config import SkyRLTrainConfig
+
+    _, skyrl_overrides = split_overrides(overrides(server, tiny_model, "trainer.run_name=ckpt-test",
+                                                   "trainer.policy.optimizer_config.num_warmup_steps=4"))
+    cfg = SkyRLTrainConfig.from_cli_overrides(skyrl_overrides)
+    batch = [Sequence(prompt_ids=[5, 6, 7], response_ids=[20, 21, 22])]
+    client.fwd_bwd(batch, "sft")
+    client.step()  # a step of the job's outside this run: SkyRL's schedule does not count it
+    dispatch = ArcticDispatch(cfg, client, num_training_steps=10)
+    client.fwd_bwd(batch, "sft")
+    dispatch.optim_step("policy")
+    saved_dir = tmp_path / "global_step_1" / "policy"
+    dispatch.save_checkpoint("policy", str(saved_dir))
+    saved, saved_lr = client.state_digest(), dispatch.schedule.get_last_lr()[0]
+    # SkyRL's folder holds only the record; the weights are in the server's checkpoint folder.
+    assert os.listdir(saved_dir) == [HANDLE_FILE]
+    record = json.load(open(saved_dir / HANDLE_FILE))
+    assert record["name"] == os.path.join("skyrl", "ckpt-test", "global_step_1")
+    assert not record["server_path"].startswith(str(tmp_path)) and os.path.isdir(record["server_path"])
+    for _ in range(2):
+        client.fwd_bwd(batch, "sft")
+        dispatch.optim_step("policy")
+    assert client.state_digest() != saved
+    resumed = ArcticDispatch(cfg, client, num_training_steps=10)
+    resumed.load_checkpoint("policy", str(saved_dir))
+    assert client.state_digest() == saved
+    assert resumed.schedule.get_last_lr()[0] == saved_lr  # the warm-up continues where it was
+    with pytest.raises(ArcticSetupError, match=HANDLE_FILE):
+        resumed.load_checkpoint("policy", str(tmp_path))
