@@ -27,10 +27,11 @@ def documented_command(marker: str) -> str:
     return re.search(r"```bash\n(.*?)```", block, re.DOTALL).group(1)
 
 
-def write_data(folder) -> None:
+def write_data(folder, env_class: str = "gsm8k", max_turns: int = 1) -> None:
     """GSM8K's layout, as SkyRL's gsm8k example writes it: chat messages, env class, the answer to check."""
-    pd.DataFrame([{"data_source": "arctic_toy", "prompt": [{"role": "user", "content": question}], "env_class": "gsm8k",
-                   "reward_spec": {"method": "rule", "ground_truth": right}, "extra_info": {"split": "train"}}
+    pd.DataFrame([{"data_source": "arctic_toy", "prompt": [{"role": "user", "content": question}], "env_class": env_class,
+                   "reward_spec": {"method": "rule", "ground_truth": right},
+                   "extra_info": {"split": "train", "max_turns": max_turns}}
                   for question, (right, _) in QUESTIONS.items()]).to_parquet(folder / "train.parquet")
 
 
@@ -42,40 +43,68 @@ def scalars(folder) -> dict[str, list[float]]:
     return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
+def run_documented(server: str, model: str, folder, steps: int, *extra: str) -> dict[str, list[float]]:
+    """The documented command (plus `extra` overrides); the metrics SkyRL logged, per step."""
+    # `python` in the documented command is SkyRL's environment's; SkyRL's tensorboard logger records the
+    # metrics at full precision (the documented console logger prints four decimals).
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "ARCTIC_RL_URL": server,
+           "MODEL": model, "DATA": str(folder), "STEPS": str(steps), "OUT": str(folder / "out"),
+           "TENSORBOARD_DIR": str(folder / "tb"), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    command = " ".join([documented_command("main_base").rstrip(), "trainer.logger=tensorboard", *extra])
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, env=env, cwd=folder)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    metrics = scalars(folder / "tb")
+    assert len(metrics["policy/final_loss"]) == steps, sorted(metrics)
+    return metrics
+
+
+def assert_the_backend_trained_skyrls_loss(metrics: dict[str, list[float]]) -> None:
+    """The loss the backend took gradients of is SkyRL's, on the same log-probs: SkyRL's own loss code (its
+    PolicyLossRegistry, on the log-probs of the backend's forward) gives the same value at every step; and each
+    mini-batch arrived as one whole group of N rows, its prompt computed once."""
+    # fp32: a step's loss is a sum of per-token terms of both signs that nearly cancel (GRPO's advantages sum to 0
+    # over a group), so beside 1e-5 relative, 1e-7 absolute: the rounding of terms of about 0.1.
+    for ours, skyrl in zip(metrics["policy/arctic_loss"], metrics["policy/final_loss"]):
+        assert math.isclose(ours, skyrl, rel_tol=1e-5, abs_tol=1e-7), (ours, skyrl)
+    assert metrics["policy/arctic_groups"] == [MINI] * len(metrics["policy/arctic_groups"])
+    for computed, rows in zip(metrics["policy/arctic_computed_tokens"], metrics["policy/arctic_row_tokens"]):
+        assert computed < rows
+
+
 def test_main_base_grpo_steps_run_on_arctic_rl(tiny_model, server, client, gsm8k_model, tmp_path):
     write_data(tmp_path)
     before = client.status()
     digest = client.state_digest()
-    # `python` in the documented command is SkyRL's environment's; SkyRL's tensorboard logger records the
-    # metrics at full precision (the documented console logger prints four decimals).
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "ARCTIC_RL_URL": server,
-           "MODEL": tiny_model, "DATA": str(tmp_path), "STEPS": str(STEPS), "OUT": str(tmp_path / "out"),
-           "TENSORBOARD_DIR": str(tmp_path / "tb"), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-    command = documented_command("main_base").rstrip() + " trainer.logger=tensorboard"
-    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-6000:]
+    metrics = run_documented(server, tiny_model, tmp_path, STEPS)
     after = client.status()
-    metrics = scalars(tmp_path / "tb")
-    assert len(metrics["policy/final_loss"]) == STEPS, sorted(metrics)
 
     # Every completion SkyRL trained on came from the server's sampler, through SkyRL's own client.
     generated = after["serving"]["requests"]["generate"] - before["serving"]["requests"]["generate"]
     assert generated == STEPS * BATCH * N
     assert after["backend"]["generated"]["completions"] - before["backend"]["generated"]["completions"] == generated
-    # The rewards were mixed (the warm-up answers half rightly), so the loss had something to train on ...
+    # The rewards were mixed (the warm-up answers half rightly), so the loss had gradients to train on (at the
+    # first mini-batch of a step, GRPO's PPO loss is about 0: the ratio is 1 and a group's advantages sum to 0).
     rewards = metrics["reward/avg_raw_reward"]
     assert any(0 < r < 1 for r in rewards), rewards
-    assert any(abs(v) > 1e-4 for v in metrics["policy/final_loss"]), metrics["policy/final_loss"]
-    # ... and the loss the backend took gradients of is SkyRL's, on the same log-probs: SkyRL's own loss code
-    # (its PolicyLossRegistry, on the log-probs of the backend's forward) gives the same value at every step.
-    for ours, skyrl in zip(metrics["policy/arctic_loss"], metrics["policy/final_loss"]):
-        assert math.isclose(ours, skyrl, rel_tol=1e-5, abs_tol=1e-7), (ours, skyrl)
+    assert any(v > 1e-4 for v in metrics["policy/grad_norm"]), metrics["policy/grad_norm"]
+    assert_the_backend_trained_skyrls_loss(metrics)
     # The weights changed on the server, by one optimizer step per mini-batch, and were synced to the sampler.
     assert client.state_digest() != digest
     assert after["backend"]["optimizer_steps"] - before["backend"]["optimizer_steps"] == STEPS * BATCH // MINI
     assert after["backend"]["weight_version"] - before["backend"]["weight_version"] == STEPS + 1  # + the sync at start
-    # Groups arrived whole: each mini-batch was one group of N rows, its prompt computed once.
-    assert metrics["policy/arctic_groups"] == [MINI] * STEPS
-    for computed, rows in zip(metrics["policy/arctic_computed_tokens"], metrics["policy/arctic_row_tokens"]):
-        assert computed < rows
+
+
+def test_multi_turn_episodes_of_skyrl_gym_train_on_arctic_rl(tiny_model, server, client, gsm8k_model, tmp_path):
+    """SkyRL-Gym's gsm8k_multi_turn: a wrong answer gets a user turn asking again, up to 3 turns. Each turn is one
+    request to the server; the episode trains as one row, its environment turns masked out of the loss."""
+    write_data(tmp_path, "gsm8k_multi_turn", max_turns=3)
+    before = client.status()["serving"]["requests"]["generate"]
+    metrics = run_documented(server, tiny_model, tmp_path, 1, "environment.env_class=gsm8k_multi_turn",
+                             "generator.max_turns=3", "generator.sampling_params.max_generate_length=48",
+                             "trainer.max_prompt_length=160")
+    turns = metrics["environment/avg_steps"]
+    assert turns[0] > 1, turns  # some episodes went on after a wrong answer
+    generated = client.status()["serving"]["requests"]["generate"] - before
+    assert generated == round(turns[0] * BATCH * N)  # every turn sampled by the server
+    assert_the_backend_trained_skyrls_loss(metrics)
