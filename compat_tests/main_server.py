@@ -64,3 +64,17 @@ def serving(job: dict, work: Path, *args: str, start_timeout_s: float = 300):
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def tiny_qwen3(folder: Path) -> str:
+    """A tiny random Qwen3 (with its ChatML template and a local tokenizer) in `folder`."""
+    return make_tiny_model(str(folder / "tiny-qwen3"), "--family", "qwen3", "--max-positions", "1024")
+
+
+@contextmanager
+def serving_light(model: str, work: Path, engine: dict, *args: str):
+    """`serving` a job on `model` with DeepSpeed and the transformers sampler (the quickest to start), its
+    checkpoints under `work/checkpoints`."""
+    job = {"model_path": model, "sampler": {"name": "transformers"}, "engine": engine}
+    with serving(job, work, "--checkpoint-dir", str(work / "checkpoints"), *args) as url:
+        yield url

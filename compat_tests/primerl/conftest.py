@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from compat_tests.main_server import make_tiny_model, serving
+from compat_tests.main_server import serving_light, tiny_qwen3
 
 SERVED_MODEL = "tiny-qwen3"
 LEARNING_RATE = 1e-2
@@ -22,16 +22,14 @@ SFT_TARGET_LOSS = 1e-3
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-    return make_tiny_model(path, "--family", "qwen3", "--max-positions", "1024")
+    return tiny_qwen3(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
     """`arctic-rl serve` with a job on the tiny model: DeepSpeed and the transformers sampler, in the main environment."""
-    work = tmp_path_factory.mktemp("server")
-    job = {"model_path": tiny_model, "sampler": {"name": "transformers"}, "engine": {"learning_rate": LEARNING_RATE}}
-    with serving(job, work, "--served-model-name", SERVED_MODEL, "--checkpoint-dir", str(work / "checkpoints")) as url:
+    engine = {"learning_rate": LEARNING_RATE}
+    with serving_light(tiny_model, tmp_path_factory.mktemp("server"), engine, "--served-model-name", SERVED_MODEL) as url:
         yield url
 
 

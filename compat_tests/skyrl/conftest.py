@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from compat_tests.main_server import make_tiny_model, serving
+from compat_tests.main_server import serving_light, tiny_qwen3
 
 LEARNING_RATE = 1e-2
 """The job's, for the supervised warm-up below; SkyRL's steps send their own (its schedule's)."""
@@ -24,17 +24,13 @@ SFT_STEPS = 60
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("model") / "tiny-qwen3")
-    return make_tiny_model(path, "--family", "qwen3", "--max-positions", "1024")
+    return tiny_qwen3(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
     """`arctic-rl serve` with a job on the tiny model: DeepSpeed and the transformers sampler, in the main environment."""
-    work = tmp_path_factory.mktemp("server")
-    job = {"model_path": tiny_model, "sampler": {"name": "transformers"},
-           "engine": {"learning_rate": LEARNING_RATE, **OPTIMIZER}}
-    with serving(job, work, "--checkpoint-dir", str(work / "checkpoints")) as url:
+    with serving_light(tiny_model, tmp_path_factory.mktemp("server"), {"learning_rate": LEARNING_RATE, **OPTIMIZER}) as url:
         yield url
 
 

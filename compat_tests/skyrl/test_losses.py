@@ -14,7 +14,8 @@ import torch
 
 from arctic_rl_core.losses.grpo import GRPOConfig, grpo_loss
 from arctic_rl_core.losses.inputs import LossInputs
-from arctic_rl_skyrl.losses import ArcticSetupError, check_algorithm, loss_spec
+from arctic_rl_core.attach import ArcticSetupError
+from arctic_rl_skyrl.losses import check_algorithm, loss_spec
 
 ROWS, WIDTH, GROUP = 6, 5, 3
 LENGTHS = [5, 3, 4, 2, 5, 4]

@@ -11,10 +11,11 @@ import os
 
 import pytest
 
+from arctic_rl_core.attach import ArcticSetupError
+from arctic_rl_core.checkpoint_handles import RECORD_FILE, server_name
 from arctic_rl_core.types import Sequence
-from arctic_rl_skyrl.dispatch import HANDLE_FILE, ArcticDispatch
+from arctic_rl_skyrl.dispatch import ArcticDispatch
 from arctic_rl_skyrl.entrypoint import main
-from arctic_rl_skyrl.losses import ArcticSetupError
 from arctic_rl_skyrl.settings import split_overrides
 
 
@@ -50,8 +51,7 @@ def test_the_adapters_own_settings_are_checked_by_name(server, tiny_model):
 def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, client, tiny_model, tmp_path):
     from skyrl.train.config import SkyRLTrainConfig
 
-    _, skyrl_overrides = split_overrides(overrides(server, tiny_model, "trainer.run_name=ckpt-test",
-                                                   "trainer.policy.optimizer_config.num_warmup_steps=4"))
+    _, skyrl_overrides = split_overrides(overrides(server, tiny_model, "trainer.policy.optimizer_config.num_warmup_steps=4"))
     cfg = SkyRLTrainConfig.from_cli_overrides(skyrl_overrides)
     batch = [Sequence(prompt_ids=[5, 6, 7], response_ids=[20, 21, 22])]
     client.fwd_bwd(batch, "sft")
@@ -63,9 +63,9 @@ def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, 
     dispatch.save_checkpoint("policy", str(saved_dir))
     saved, saved_lr = client.state_digest(), dispatch.schedule.get_last_lr()[0]
     # SkyRL's folder holds only the record; the weights are in the server's checkpoint folder.
-    assert os.listdir(saved_dir) == [HANDLE_FILE]
-    record = json.load(open(saved_dir / HANDLE_FILE))
-    assert record["name"] == os.path.join("skyrl", "ckpt-test", "global_step_1")
+    assert os.listdir(saved_dir) == [RECORD_FILE]
+    record = json.load(open(saved_dir / RECORD_FILE))
+    assert record["name"] == server_name("skyrl", str(saved_dir)) and record["name"].startswith("skyrl/")
     assert not record["server_path"].startswith(str(tmp_path)) and os.path.isdir(record["server_path"])
     for _ in range(2):
         client.fwd_bwd(batch, "sft")
@@ -75,5 +75,5 @@ def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, 
     resumed.load_checkpoint("policy", str(saved_dir))
     assert client.state_digest() == saved
     assert resumed.schedule.get_last_lr()[0] == saved_lr  # the warm-up continues where it was
-    with pytest.raises(ArcticSetupError, match=HANDLE_FILE):
+    with pytest.raises(ArcticSetupError, match=RECORD_FILE):
         resumed.load_checkpoint("policy", str(tmp_path))

@@ -269,3 +269,35 @@ def test_more_than_one_verl_worker_is_refused_at_start_up(tiny_model, server):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     for out in outs:
         assert "REFUSED verl runs 2 actor workers (trainer.n_gpus_per_node x trainer.nnodes)" in out, out
+
+
+def test_checkpoints_resume_bitwise_without_a_disk_shared_with_the_server(tiny_model, server, client, tmp_path):
+    """verl saves into its own folder (not the server's): the server keeps the checkpoint, verl's folder records
+    which one and where verl's schedule was; resuming and stepping gives the very state of stepping on."""
+    from arctic_rl_core.checkpoint_handles import RECORD_FILE
+
+    worker = worker_for(tiny_model, server, lr_warmup_steps=4, total_training_steps=10)
+    seq = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]
+
+    def step(engine):
+        client.fwd_bwd(seq, "sft")
+        engine.optimizer_step()
+        engine.lr_scheduler_step()
+
+    step(worker.engine)
+    local = tmp_path / "global_step_1" / "actor"
+    worker.save_checkpoint(str(local))
+    assert os.listdir(local) == [RECORD_FILE]
+    server_path = __import__("json").load(open(local / RECORD_FILE))["server_path"]
+    assert os.path.isdir(server_path) and not server_path.startswith(str(tmp_path))
+    step(worker.engine)
+    continued, continued_lr = client.state_digest(), client.status()["backend"]["learning_rate"]
+
+    step(worker.engine)  # wander off, then resume in a fresh worker (a restarted verl)
+    resumed = worker_for(tiny_model, server, lr_warmup_steps=4, total_training_steps=10)
+    resumed.load_checkpoint(str(local))
+    step(resumed.engine)
+    assert client.state_digest() == continued
+    assert client.status()["backend"]["learning_rate"] == continued_lr
+    with pytest.raises(ArcticSetupError, match=RECORD_FILE):
+        resumed.load_checkpoint(str(tmp_path))

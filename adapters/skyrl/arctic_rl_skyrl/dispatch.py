@@ -17,19 +17,17 @@ backend's value of the loss it took gradients of, for comparison with SkyRL's `f
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 from collections import defaultdict
 
 import torch
 
+from arctic_rl_core import checkpoint_handles
+from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.client import ArcticRLClient
 from arctic_rl_skyrl.batch import group_ids, response_lengths, right_aligned, sequences_from_batch
-from arctic_rl_skyrl.losses import ArcticSetupError, behaviour_key, loss_spec
+from arctic_rl_skyrl.losses import behaviour_key, loss_spec
 
 POLICY = "policy"
-HANDLE_FILE = "arctic_rl_checkpoint.json"
-"""Written in SkyRL's checkpoint folder: the server-side checkpoint it stands for."""
 
 
 def lr_schedule(optim, num_training_steps: int | None):
@@ -64,7 +62,6 @@ class ArcticDispatch:
         self.temperature = cfg.trainer.algorithm.temperature or 1.0
         self.num_training_steps = num_training_steps
         self.schedule = lr_schedule(cfg.trainer.policy.optimizer_config, num_training_steps)
-        self.checkpoint_prefix = os.path.join("skyrl", cfg.trainer.run_name or "run")
         self._rows = None
 
     def expect_rows(self, training_input) -> None:
@@ -234,14 +231,9 @@ class ArcticDispatch:
         """The server saves under its own checkpoint folder; SkyRL's folder records which checkpoint that is, so
         save and resume work whether or not the two machines share a disk."""
         self._policy(model)
-        name = os.path.join(self.checkpoint_prefix, os.path.basename(os.path.dirname(os.path.abspath(ckpt_dir))))
-        info = self.client.save_checkpoint(name)
-        os.makedirs(ckpt_dir, exist_ok=True)
         # The schedule's own position: the job's step count also holds steps taken outside this run.
-        record = {"name": name, "server_path": info.path, "step": info.step, "weight_version": info.weight_version,
-                  "schedule_steps": self.schedule.last_epoch, "server": self.client.url}
-        with open(os.path.join(ckpt_dir, HANDLE_FILE), "w") as f:
-            json.dump(record, f)
+        checkpoint_handles.save(self.client, "skyrl", ckpt_dir, schedule_steps=self.schedule.last_epoch,
+                                server=self.client.url)
 
     def finalize_pending_saves(self, model: str) -> None:
         pass  # the server's save has returned when the call does
@@ -252,13 +244,10 @@ class ArcticDispatch:
         if not (load_optimizer_states and load_lr_scheduler_states):
             raise ArcticSetupError("loading a checkpoint without its optimizer or schedule state: the Arctic RL job "
                                    "restores both with the weights")
-        path = os.path.join(ckpt_dir, HANDLE_FILE)
         try:
-            with open(path) as f:
-                record = json.load(f)
-        except FileNotFoundError:
-            raise ArcticSetupError(f"{ckpt_dir} was not saved through Arctic RL (no {HANDLE_FILE})") from None
-        self.client.load_checkpoint(record["name"])
+            record = checkpoint_handles.load(self.client, ckpt_dir)
+        except checkpoint_handles.NoCheckpointRecord as err:
+            raise ArcticSetupError(str(err)) from None
         self.schedule = lr_schedule(self.cfg.trainer.policy.optimizer_config, self.num_training_steps)
         for _ in range(record["schedule_steps"]):  # the schedule continues where it was saved
             _advance(self.schedule)

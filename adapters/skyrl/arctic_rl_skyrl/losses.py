@@ -11,14 +11,11 @@ is refused.
 
 from __future__ import annotations
 
+from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.types import LossSpec
 
 ALGORITHM = "trainer.algorithm"
 SERVED_POLICY_LOSSES = ("regular", "dual_clip", "cispo")
-
-
-class ArcticSetupError(RuntimeError):
-    """SkyRL's configuration asks for something this backend cannot do exactly; the message says what to change."""
 
 
 def _off_policy_correction_on(opc) -> bool:

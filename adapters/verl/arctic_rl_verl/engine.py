@@ -15,7 +15,6 @@ evaluated on them (no gradient), so the metrics verl reports (`actor/pg_loss`,
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable
 
 import torch
@@ -24,6 +23,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
+from arctic_rl_core import checkpoint_handles
 from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch
 from arctic_rl_verl.connect import ArcticSetupError, connect
 
@@ -158,11 +158,16 @@ class ArcticRLEngine(BaseEngine):
         return iter(()), None
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        # The path is the server's: share the checkpoint folder between the machines (or run them on one).
-        self.client.save_checkpoint(os.path.abspath(local_path))
+        # The server saves under its own checkpoint folder; verl's folder records which checkpoint, and where
+        # verl's schedule was (the job's step count also holds steps taken outside this run). No shared disk needed.
+        checkpoint_handles.save(self.client, "verl", local_path, schedule_steps=self.schedule.last_epoch)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=True, **kwargs):
-        info = self.client.load_checkpoint(os.path.abspath(local_path))
+        try:
+            record = checkpoint_handles.load(self.client, local_path)
+        except checkpoint_handles.NoCheckpointRecord as err:
+            raise ArcticSetupError(str(err)) from None
         self.schedule = lr_schedule(self.optimizer_config)
-        for _ in range(info.step):  # the schedule continues from the checkpoint's step
+        for _ in range(record["schedule_steps"]):  # the schedule continues where it was saved
+            self.schedule.optimizer.step()  # a no-op (no gradients): the order torch expects
             self.schedule.step()
