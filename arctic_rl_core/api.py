@@ -46,7 +46,8 @@ class TrainingAPI(ABC):
     def log_probs(self, sequences: list[Sequence], *, with_entropy: bool = False, temperature: float = 1.0,
                   source: str = "trainer") -> LogProbsResult:
         """Per-token log-probs (and entropy) of each response: under the trainer's current weights
-        (`source="trainer"`, ZoRRo-packed), or under the sampler's last synced ones (`source="sampler"`)."""
+        (`source="trainer"`, ZoRRo-packed), under the job's frozen reference model (`source="reference"`,
+        for KL terms; `reference.enable`), or under the sampler's last synced ones (`source="sampler"`)."""
 
     @abstractmethod
     def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec, *, return_logprobs: bool = False,

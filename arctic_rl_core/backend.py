@@ -117,6 +117,16 @@ class InProcessBackend(TrainingAPI):
         except BaseException:
             self._close(self.engine)
             raise
+        self.reference = None
+        if self.config.reference.enable:
+            from arctic_rl_core.engines.reference import ReferenceModel
+
+            try:
+                self.reference = ReferenceModel(self.config)
+            except BaseException:
+                self.close()
+                raise
+        self._reference_lock = threading.Lock()
         self._weight_version = 0
         self._synced_step = 0
         """Optimizer step count of the weights the sampler holds."""
@@ -257,10 +267,17 @@ class InProcessBackend(TrainingAPI):
             with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
                 scores = self.sampler.score([(token_list(s.prompt_ids), token_list(s.response_ids)) for s in seqs])
             return LogProbsResult(logprobs=scores, weight_version=self._weight_version)
-        if source != "trainer":
-            raise InvalidRequest("source", f"must be 'trainer' or 'sampler', got {source!r}")
+        if source not in ("trainer", "reference"):
+            raise InvalidRequest("source", f"must be 'trainer', 'reference' or 'sampler', got {source!r}")
         post = self._post_chain([ProcessorSpec(name="apply_temperature", config={"temperature": temperature})]) if temperature != 1.0 else []
         micro = self._micro_batches(seqs)
+        if source == "reference":
+            if self.reference is None:
+                raise InvalidRequest("source", "this job has no reference model: start it with reference.enable")
+            with self._reference_lock:
+                outputs = self.reference.forward(micro, post, with_entropy)
+            logprobs, entropy = _per_sequence(len(seqs), [mb for mb, _ in outputs], [out for _, out in outputs], with_entropy)
+            return LogProbsResult(logprobs=logprobs, entropy=entropy, weight_version=self._weight_version)
         # Lock order everywhere: train, weights, sampler.
         with (nullcontext() if self.engine.concurrent_forward else self._train_lock), self._weights_lock:
             outputs = self.engine.forward(micro, post, with_entropy)
@@ -392,6 +409,7 @@ class InProcessBackend(TrainingAPI):
             "weights_fingerprint": self.weights_fingerprint,
             "trainer": getattr(self.engine, "placement",
                                [{"rank": 0, "node": "driver", "pid": os.getpid(), "healthy": True}]),
+            "reference": None if self.reference is None else self.reference.describe(),
             "sampler": (self.sampler.describe() if hasattr(self.sampler, "describe") else
                         [{"replica": 0, "node": "driver", "pid": os.getpid(), "healthy": True,
                           "weight_version": self._weight_version}]),

@@ -80,6 +80,16 @@ class ZorroConfig(_Config):
     attention_backend: Literal["auto", "cpu_flash", "math"] = "auto"
 
 
+class ReferenceConfig(_Config):
+    """A frozen reference policy for KL terms: `log_probs(..., source="reference")`."""
+
+    enable: bool = False
+    model_path: str | None = None
+    """Defaults to the job's `model_path`: the policy's initial weights."""
+    dtype: Dtype | None = None
+    """Defaults to the engine's dtype."""
+
+
 class SamplerConfig(_Config):
     name: str = "vllm"
     """`vllm`; or `transformers` (HF generate on a copy of the weights: light, slow, no prefix caching)."""
@@ -137,4 +147,5 @@ class BackendConfig(_Config):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     zorro: ZorroConfig = Field(default_factory=ZorroConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     ray: RaySettings = Field(default_factory=RaySettings)

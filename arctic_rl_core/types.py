@@ -278,7 +278,8 @@ class LogProbsRequest(_Strict):
     sequences: list[Sequence]
     with_entropy: bool = False
     temperature: float = Field(default=1.0, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)
-    source: Literal["trainer", "sampler"] = "trainer"
+    source: Literal["trainer", "sampler", "reference"] = "trainer"
+    """Whose log-probs: the trainer's current weights, the sampler's, or the job's frozen reference model."""
 
 
 class LogProbsResult(_Strict):

@@ -163,6 +163,35 @@ def test_sft_loss_through_fwd_bwd_lowers_nll(make_api):
     assert backend.fwd_bwd(data, "sft").loss < first
 
 
+def test_the_reference_model_scores_the_initial_weights_while_the_policy_trains(make_api):
+    """`source="reference"`: the frozen initial weights, ZoRRo-packed like the trainer's, in process and over HTTP;
+    the policy moves away from it, it does not move, and a GRPO KL term trains against it."""
+    backend = make_api(reference={"enable": True}, learning_rate=1e-2)
+    seqs = grpo_batch()
+    initial = backend.log_probs(seqs, with_entropy=True, temperature=0.7)
+    reference = backend.log_probs(seqs, with_entropy=True, temperature=0.7, source="reference")
+    for got, want in ((reference.logprobs, initial.logprobs), (reference.entropy, initial.entropy)):
+        assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) < 1e-5
+    ref = [s.model_copy(update={"ref_logprobs": lp}) for s, lp in zip(seqs, backend.log_probs(seqs, source="reference").logprobs)]
+    for _ in range(2):
+        result = backend.fwd_bwd(ref, {"name": "grpo", "config": {"kl_loss_coef": 0.1}})
+        backend.step()
+    assert result.metrics["kl"] > 0  # the policy moved away from the reference ...
+    moved = backend.log_probs(seqs).logprobs
+    again = backend.log_probs(seqs, source="reference").logprobs
+    assert max(abs(a - b) for x, y in zip(moved, initial.logprobs) for a, b in zip(x, y)) > 1e-4
+    assert again == backend.log_probs(seqs, source="reference").logprobs  # ... which did not move
+    assert max(abs(a - b) for x, y in zip(again, [s.ref_logprobs for s in ref]) for a, b in zip(x, y)) < 1e-6
+    described = backend.describe() if hasattr(backend, "describe") else backend.status()["backend"]
+    assert described["reference"]["zorro"] is True  # status names it
+
+
+def test_log_probs_of_a_reference_the_job_does_not_have_are_refused(make_api):
+    with pytest.raises(InvalidRequest) as err:
+        make_api().log_probs(grpo_batch(), source="reference")
+    assert err.value.field == "source" and "reference.enable" in err.value.message
+
+
 def test_fwd_bwd_returns_the_log_probs_and_entropy_of_its_own_forward(make_api):
     backend = make_api()
     seqs = grpo_batch()

@@ -23,11 +23,9 @@ from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.config import BackendConfig, EngineConfig
 from arctic_rl_core.engines.base import TrainingEngine
 from arctic_rl_core.engines.checkpoint_files import SafeCheckpointEngine, preflight
-from arctic_rl_core.engines.response_logits import ResponseLogits
+from arctic_rl_core.engines.response_logits import ResponseLogits, inputs_on_device, response_outputs
 from arctic_rl_core.engines.distributed import init_distributed
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
-from arctic_rl_core.losses.inputs import LossInputs
-from arctic_rl_core.losses.post_processors import compute_entropy, compute_logprobs
 from arctic_rl_core.losses.registry import Registered
 from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
@@ -75,19 +73,6 @@ def _digest_update(h: "hashlib._Hash", obj: Any) -> None:
             _digest_update(h, item)
     elif obj is None or isinstance(obj, (int, float, str, bool)):
         h.update(repr(obj).encode())
-
-
-def _folded_temperature(post: list[tuple[Registered, Any]]) -> float | None:
-    """The product of the temperatures when `post` holds only the built-in `apply_temperature`, else None
-    (another post-processor may need the logits themselves)."""
-    from arctic_rl_core.losses.post_processors import apply_temperature
-
-    temperature = 1.0
-    for processor, cfg in post:
-        if processor.fn is not apply_temperature:
-            return None
-        temperature *= cfg.temperature
-    return temperature
 
 
 def _finite_flag_into(flags: list):
@@ -194,29 +179,7 @@ class DeepSpeedEngine(TrainingEngine):
     # -- forward ---------------------------------------------------------------------------------
 
     def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
-        def to_device(t):
-            return t.to(self.device) if t is not None else None
-
-        batch = dict(input_ids=mb.input_ids.to(self.device), logit_rows=mb.logit_rows.to(self.device),
-                     attention_mask=to_device(mb.attention_mask), position_ids=to_device(mb.position_ids),
-                     zorro_layout=mb.layout)
-        targets = mb.targets.to(self.device)
-        temperature = _folded_temperature(post)
-        if temperature is not None:
-            # Only built-in post-processors: log-probs in chunks, never the full [rows, vocab] logits.
-            chunked = self.engine(**batch, targets=targets, temperature=temperature, with_entropy=with_entropy)
-            return {"targets": targets, **chunked}
-        outputs = {"logits": self.engine(**batch), "targets": targets}
-        chain = [(entry.fn, cfg) for entry, cfg in post] + [(compute_logprobs, None)]
-        if with_entropy:
-            chain.append((compute_entropy, None))
-        for fn, cfg in chain:
-            outputs.update(fn(outputs, mb.inputs, cfg))
-        return outputs
-
-    def _inputs_on_device(self, inputs: LossInputs) -> LossInputs:
-        moved = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()}
-        return LossInputs(**moved)
+        return response_outputs(self.engine, mb, post, with_entropy, self.device)
 
     def forward_backward(self, micro_batches, loss, loss_config, post, scales=None, keep_outputs=False,
                          with_entropy=False):
@@ -227,7 +190,7 @@ class DeepSpeedEngine(TrainingEngine):
         failure: InvalidRequest | None = None
         for k, mb in enumerate(micro_batches):
             scale = 1.0 if scales is None else scales[k]
-            mb.inputs = self._inputs_on_device(mb.inputs)
+            mb.inputs = inputs_on_device(mb.inputs, self.device)
             outputs = self._outputs(mb, post, with_entropy)
             value, mb_metrics = loss.fn(outputs, mb.inputs, loss_config)
             if kept is not None:
@@ -260,7 +223,7 @@ class DeepSpeedEngine(TrainingEngine):
     def forward(self, micro_batches, post, with_entropy):
         results = []
         for mb in micro_batches:
-            mb.inputs = self._inputs_on_device(mb.inputs)
+            mb.inputs = inputs_on_device(mb.inputs, self.device)
             out = self._outputs(mb, post, with_entropy)
             results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in ("logprobs", "entropy")}))
         return results

@@ -3,9 +3,14 @@ or, without the full logits tensor, their log-probs (and entropy) computed in ch
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from arctic_rl_core.batching import MicroBatch
+from arctic_rl_core.losses.inputs import LossInputs
+from arctic_rl_core.losses.registry import Registered
 from arctic_rl_core.models.head import OutputHead
 from arctic_rl_kernels.layout import ForestLayout
 
@@ -84,3 +89,47 @@ def _decoder(lm: torch.nn.Module) -> torch.nn.Module:
     """The causal LM's decoder (its final hidden states), also where `base_model_prefix` names no attribute."""
     base = lm.base_model
     return lm.model if base is lm and isinstance(getattr(lm, "model", None), torch.nn.Module) else base
+
+
+def inputs_on_device(inputs: LossInputs, device: torch.device) -> LossInputs:
+    return LossInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(inputs).items()})
+
+
+def folded_temperature(post: list[tuple[Registered, Any]]) -> float | None:
+    """The product of the temperatures when `post` holds only the built-in `apply_temperature`, else None
+    (another post-processor may need the logits themselves)."""
+    from arctic_rl_core.losses.post_processors import apply_temperature
+
+    temperature = 1.0
+    for processor, cfg in post:
+        if processor.fn is not apply_temperature:
+            return None
+        temperature *= cfg.temperature
+    return temperature
+
+
+def response_outputs(forward: Callable[..., Any], mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """One micro-batch through `forward` (a `ResponseLogits`, or an engine wrapping one): the response tokens'
+    "targets", "logprobs" and, with `with_entropy`, "entropy", after the post-processors `post`."""
+    from arctic_rl_core.losses.post_processors import compute_entropy, compute_logprobs
+
+    def to_device(t):
+        return t.to(device) if t is not None else None
+
+    batch = dict(input_ids=mb.input_ids.to(device), logit_rows=mb.logit_rows.to(device),
+                 attention_mask=to_device(mb.attention_mask), position_ids=to_device(mb.position_ids),
+                 zorro_layout=mb.layout)
+    targets = mb.targets.to(device)
+    temperature = folded_temperature(post)
+    if temperature is not None:
+        # Only built-in post-processors: log-probs in chunks, never the full [rows, vocab] logits.
+        chunked = forward(**batch, targets=targets, temperature=temperature, with_entropy=with_entropy)
+        return {"targets": targets, **chunked}
+    outputs = {"logits": forward(**batch), "targets": targets}
+    chain = [(entry.fn, cfg) for entry, cfg in post] + [(compute_logprobs, None)]
+    if with_entropy:
+        chain.append((compute_entropy, None))
+    for fn, cfg in chain:
+        outputs.update(fn(outputs, mb.inputs, cfg))
+    return outputs

@@ -1,0 +1,67 @@
+"""The reference policy: a frozen model that scores log-probs for KL terms and never trains.
+
+It loads the policy's initial weights (or its own checkpoint) with the same attention as the trainer,
+so the backend's micro-batches (ZoRRo's prefix forests included) run through it unchanged and its
+log-probs are exact the same way: checked at load against the model's own forward, as the trainer's
+are. No optimizer, no gradients; it lives in the backend's process, on the trainer's device kind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from arctic_rl_core.batching import MicroBatch
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.engines.response_logits import ResponseLogits, inputs_on_device, response_outputs
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.models.determinism import inference_behaviour
+from arctic_rl_core.models.exactness import check_exactness, zorro_attention_possible
+from arctic_rl_core.models.head import output_head
+from arctic_rl_core.models.loading import load_causal_lm
+from arctic_rl_core.types import MODEL_SHAPE_KEYS, model_shape
+
+
+class ReferenceModel:
+    def __init__(self, config: BackendConfig):
+        from transformers import AutoConfig
+
+        rc = config.reference
+        self.model_path = rc.model_path or config.model_path
+        if not os.path.isdir(self.model_path):
+            raise InvalidRequest("reference.model_path", f"{self.model_path!r} is not a directory")
+        hf_config = AutoConfig.from_pretrained(self.model_path)
+        policy = model_shape(AutoConfig.from_pretrained(config.model_path).to_dict())
+        differing = [k for k in MODEL_SHAPE_KEYS if model_shape(hf_config.to_dict())[k] != policy[k]]
+        if differing:
+            raise InvalidRequest("reference.model_path", f"is not a model of the policy's shape (differs in "
+                                                         f"{', '.join(differing)}): KL needs the same vocabulary")
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        dtype = getattr(torch, rc.dtype or config.engine.dtype)
+        zorro = config.zorro.enable or zorro_attention_possible(hf_config)
+        model, self.zorro_loaded = load_causal_lm(self.model_path, hf_config, dtype, config.engine.attn_implementation,
+                                                  zorro=zorro, required=config.zorro.enable)
+        model.requires_grad_(False)
+        self.model = ResponseLogits(model, model, output_head(hf_config), config.zorro.attention_backend).to(self.device)
+        inference_behaviour(self.model)
+        check_exactness(self.model, self.model, model, zorro=self.zorro_loaded, pad_id=_pad_id(hf_config),
+                        vocab_size=hf_config.vocab_size, device=self.device, dtype=dtype)
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[MicroBatch], post, with_entropy: bool):
+        """Per-token "logprobs" (and "entropy") of each micro-batch, as `TrainingEngine.forward` returns them."""
+        results = []
+        for mb in micro_batches:
+            mb.inputs = inputs_on_device(mb.inputs, self.device)
+            out = response_outputs(self.model, mb, post, with_entropy, self.device)
+            results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in ("logprobs", "entropy")}))
+        return results
+
+    def describe(self) -> dict:
+        return {"model_path": self.model_path, "zorro": self.zorro_loaded, "device": str(self.device)}
+
+
+def _pad_id(hf_config) -> int:
+    pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
+    return int(pad[0] if isinstance(pad, list) else pad or 0)
