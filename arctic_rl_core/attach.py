@@ -89,3 +89,15 @@ def check_optimizer(ours: dict, status: dict, names: dict[str, str], keys: Keys)
         if value != job[key]:
             raise ArcticSetupError(f"{keys.optimizer}.{names[key]}={value} but the Arctic RL job runs engine.{key}="
                                    f"{job[key]}: set one to the other (the server's job.yaml, or this override)")
+
+
+def check_reference(ref_path: str, status: dict, key: str) -> None:
+    """A framework's KL terms need the job's reference model, on the weights of the framework's reference (`key`)."""
+    reference = status["backend"].get("reference")
+    if reference is None:
+        raise ArcticSetupError(f"a KL term needs the Arctic RL job's reference model ({key}): start the server's job "
+                               "with reference.enable: true")
+    ours = checkpoint_fingerprint(ref_path)
+    if ours and reference.get("weights_fingerprint") and ours != reference["weights_fingerprint"]:
+        raise ArcticSetupError(f"{key} ({ref_path}) holds other weights than the Arctic RL job's reference model "
+                               f"({reference['model_path']})")

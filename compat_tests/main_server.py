@@ -72,9 +72,9 @@ def tiny_qwen3(folder: Path) -> str:
 
 
 @contextmanager
-def serving_light(model: str, work: Path, engine: dict, *args: str):
+def serving_light(model: str, work: Path, engine: dict, *args: str, reference: bool = False):
     """`serving` a job on `model` with DeepSpeed and the transformers sampler (the quickest to start), its
-    checkpoints under `work/checkpoints`."""
-    job = {"model_path": model, "sampler": {"name": "transformers"}, "engine": engine}
+    checkpoints under `work/checkpoints`; with `reference`, a reference model of the initial weights."""
+    job = {"model_path": model, "sampler": {"name": "transformers"}, "engine": engine, "reference": {"enable": reference}}
     with serving(job, work, "--checkpoint-dir", str(work / "checkpoints"), *args) as url:
         yield url

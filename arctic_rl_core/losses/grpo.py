@@ -12,9 +12,9 @@ Per response token (logp: current policy, old: behaviour policy, A: advantage):
   pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead)
   pg    *= sg(exp(prox - old)), tokens with weight > behav_imp_weight_cap masked   (decoupled)
   M2PO:  mask the tokens with the largest (prox - old)^2 until the rest's mean < m2_threshold
-  token  = pg + kl_loss_coef * KL(logp, ref)
   KL     k1: logp - ref;   k3 / low_var_kl: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]
-  loss   = aggregate(token, loss_agg_mode) - entropy_coeff * aggregate(entropy, entropy_agg_mode or loss_agg_mode)
+  loss   = aggregate(pg, loss_agg_mode) + kl_loss_coef * aggregate(KL, kl_agg_mode or loss_agg_mode)
+           - entropy_coeff * aggregate(entropy, entropy_agg_mode or loss_agg_mode)
 
 Without behaviour log-probs the data is taken as on-policy: old = logp.detach().
 docs/losses.md gives the same formulas with every config key.
@@ -41,6 +41,8 @@ class GRPOConfig(BaseModel):
     c_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages."""
     loss_agg_mode: AggregationMode = "token-mean"
+    kl_agg_mode: AggregationMode | None = None
+    """How the KL term is aggregated, when not as the rest of the loss (SkyRL: per sequence)."""
     entropy_agg_mode: AggregationMode | None = None
     """How the entropy term is aggregated, when not as the rest of the loss (SkyRL: per sequence)."""
     kl_loss_coef: float = Field(0.0, ge=0)
@@ -164,14 +166,14 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
         dropped = dropped + m2_masked
     keep = 1 - dropped
 
-    token_loss = pg
     metrics = {}
+    weights = inputs.token_weights(config.loss_agg_mode)
+    loss = (pg * keep * weights).sum()
     if config.kl_loss_coef > 0:
         kl = kl_penalty(logp, inputs.ref_logprobs, config.kl_loss_type)
-        token_loss = token_loss + config.kl_loss_coef * kl
+        kl_weights = weights if config.kl_agg_mode is None else inputs.token_weights(config.kl_agg_mode)
+        loss = loss + config.kl_loss_coef * (kl * keep * kl_weights).sum()
         metrics["kl"] = inputs.token_mean(kl * keep)
-    weights = inputs.token_weights(config.loss_agg_mode)
-    loss = (token_loss * keep * weights).sum()
     if config.entropy_coeff != 0:
         entropy = outputs["entropy"]
         entropy_weights = weights if config.entropy_agg_mode is None else inputs.token_weights(config.entropy_agg_mode)

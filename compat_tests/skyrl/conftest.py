@@ -29,8 +29,10 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
-    """`arctic-rl serve` with a job on the tiny model: DeepSpeed and the transformers sampler, in the main environment."""
-    with serving_light(tiny_model, tmp_path_factory.mktemp("server"), {"learning_rate": LEARNING_RATE, **OPTIMIZER}) as url:
+    """`arctic-rl serve` with a job on the tiny model: DeepSpeed, the transformers sampler and a reference model (for
+    SkyRL's default KL loss), in the main environment."""
+    engine = {"learning_rate": LEARNING_RATE, **OPTIMIZER}
+    with serving_light(tiny_model, tmp_path_factory.mktemp("server"), engine, reference=True) as url:
         yield url
 
 

@@ -1,9 +1,9 @@
 """The adapter's loss mapping against SkyRL's own policy-loss code, on the same tensors.
 
-For each served `policy_loss_type` and every `loss_reduction`, with and without the entropy bonus:
-SkyRL's value is its worker's, micro-batch by micro-batch (one sample each): advantages scaled by
-`apply_loss_reduction_to_advantages_minibatch`, the `PolicyLossRegistry` function, the entropy term
-weighted by the micro-batch's share. Ours is Arctic RL's `grpo` loss under the config the adapter
+For each served `policy_loss_type` and every `loss_reduction`, alone, with the entropy bonus or with
+the KL loss (k3, k1): SkyRL's value is its worker's, micro-batch by micro-batch (one sample each):
+advantages scaled by `apply_loss_reduction_to_advantages_minibatch`, the `PolicyLossRegistry`
+function, the entropy and KL terms (`compute_approx_kl`) weighted by the micro-batch's share. Ours is Arctic RL's `grpo` loss under the config the adapter
 builds from the same SkyRL config. Values and gradients agree to fp32 precision.
 """
 
@@ -25,8 +25,7 @@ MAX_SEQ_LEN = 8
 def skyrl_config(*overrides: str):
     from skyrl.train.config import SkyRLTrainConfig
 
-    return SkyRLTrainConfig.from_cli_overrides(["trainer.algorithm.use_kl_loss=false",
-                                                "trainer.micro_train_batch_size_per_gpu=1",
+    return SkyRLTrainConfig.from_cli_overrides(["trainer.micro_train_batch_size_per_gpu=1",
                                                 f"trainer.algorithm.max_seq_len={MAX_SEQ_LEN}", *overrides])
 
 
@@ -43,13 +42,15 @@ def batch(seed: int):
     logp = (old + torch.randn(ROWS, WIDTH, generator=g) * 0.4).clamp(max=-1e-3)
     advantages = torch.randn(ROWS, 1, generator=g).expand(ROWS, WIDTH) * valid
     entropy = torch.rand(ROWS, WIDTH, generator=g) * 4
-    return logp, old, advantages, loss_mask, entropy
+    reference = old + torch.randn(ROWS, WIDTH, generator=g) * 0.5
+    return logp, old, advantages, loss_mask, entropy, reference
 
 
-def skyrl_loss(cfg, logp, old, advantages, loss_mask, entropy) -> torch.Tensor:
+def skyrl_loss(cfg, logp, old, advantages, loss_mask, entropy, reference) -> torch.Tensor:
     from skyrl.backends.skyrl_train.utils.ppo_utils import (
         PolicyLossRegistry,
         apply_loss_reduction_to_advantages_minibatch,
+        compute_approx_kl,
     )
     from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
 
@@ -64,11 +65,15 @@ def skyrl_loss(cfg, logp, old, advantages, loss_mask, entropy) -> torch.Tensor:
         policy_loss, _ = loss_fn(logp[rows], old[rows], scaled[rows], config=algorithm, loss_mask=loss_mask[rows],
                                  rollout_logprobs=old[rows])
         bonus = masked_mean(entropy[rows], loss_mask[rows]) * algorithm.entropy_loss_coef if algorithm.use_entropy_loss else 0
-        total = total + policy_loss - bonus / ROWS
+        kl = 0
+        if algorithm.use_kl_loss:
+            kl = masked_mean(compute_approx_kl(logp[rows], reference[rows], loss_mask=loss_mask[rows],
+                                               kl_estimator_type=algorithm.kl_estimator_type), loss_mask[rows], dim=-1).mean()
+        total = total + policy_loss + (kl * algorithm.kl_loss_coef - bonus) / ROWS
     return total, scaled
 
 
-def arctic_loss(cfg, logp, old, scaled, loss_mask, entropy) -> torch.Tensor:
+def arctic_loss(cfg, logp, old, scaled, loss_mask, entropy, reference) -> torch.Tensor:
     """Arctic RL's loss on the response tokens, flattened as the engine hands them to a loss."""
     spec = loss_spec(cfg)
     assert spec.post == []  # temperature 1
@@ -81,7 +86,7 @@ def arctic_loss(cfg, logp, old, scaled, loss_mask, entropy) -> torch.Tensor:
     inputs = LossInputs(loss_mask=mask, seq_index=seq_index, group_index=group_index, seq_tokens=seq_tokens,
                         group_tokens=group_tokens, num_tokens=float(mask.sum()), num_sequences=ROWS,
                         num_groups=ROWS // GROUP, weight_version=0, advantages=take(scaled),
-                        behaviour_logprobs=take(old))
+                        behaviour_logprobs=take(old), ref_logprobs=take(reference))
     loss, _ = grpo_loss({"logprobs": take(logp), "entropy": take(entropy)}, inputs, GRPOConfig(**spec.config))
     return loss
 
@@ -89,19 +94,22 @@ def arctic_loss(cfg, logp, old, scaled, loss_mask, entropy) -> torch.Tensor:
 @pytest.mark.parametrize("policy_loss", ["regular", "dual_clip", "cispo"])
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean",
                                        "token_mean_legacy"])
-@pytest.mark.parametrize("entropy", [False, True])
-def test_loss_and_gradient_equal_skyrls(policy_loss, reduction, entropy):
+@pytest.mark.parametrize("terms", ["policy", "entropy", "kl-k3", "kl-k1"])
+def test_loss_and_gradient_equal_skyrls(policy_loss, reduction, terms):
     overrides = [f"trainer.algorithm.policy_loss_type={policy_loss}", f"trainer.algorithm.loss_reduction={reduction}",
-                 f"trainer.algorithm.use_entropy_loss={str(entropy).lower()}", "trainer.algorithm.entropy_loss_coef=0.05",
+                 f"trainer.algorithm.use_entropy_loss={str(terms == 'entropy').lower()}",
+                 "trainer.algorithm.entropy_loss_coef=0.05",
+                 f"trainer.algorithm.use_kl_loss={str(terms.startswith('kl')).lower()}", "trainer.algorithm.kl_loss_coef=0.2",
+                 f"trainer.algorithm.kl_estimator_type={terms[3:] if terms.startswith('kl') else 'k3'}",
                  "trainer.algorithm.eps_clip_low=0.1", "trainer.algorithm.eps_clip_high=0.15",
                  "trainer.algorithm.clip_ratio_c=1.5", "trainer.algorithm.cispo.cispo_eps_clip_low=0.3",
                  "trainer.algorithm.cispo.cispo_eps_clip_high=0.2"]
     cfg = skyrl_config(*overrides)
     check_algorithm(cfg)
-    logp, old, advantages, loss_mask, entropy_t = batch(seed=len(policy_loss) * 7 + len(reduction))
+    logp, old, advantages, loss_mask, entropy, reference = batch(seed=len(policy_loss) * 7 + len(reduction))
     theirs_leaf, ours_leaf = logp.clone().requires_grad_(), logp.clone().requires_grad_()
-    theirs, scaled = skyrl_loss(cfg, theirs_leaf, old, advantages, loss_mask, entropy_t)
-    ours = arctic_loss(cfg, ours_leaf, old, scaled, loss_mask, entropy_t)
+    theirs, scaled = skyrl_loss(cfg, theirs_leaf, old, advantages, loss_mask, entropy, reference)
+    ours = arctic_loss(cfg, ours_leaf, old, scaled, loss_mask, entropy, reference)
     assert abs(theirs.item()) > 1e-3
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
     theirs.backward()
@@ -118,8 +126,8 @@ def test_clips_engage_in_this_batch():
 
 @pytest.mark.parametrize("override, key", [
     ("trainer.algorithm.policy_loss_type=gspo", "policy_loss_type"),
-    ("trainer.algorithm.use_kl_loss=true", "use_kl_loss"),
-    ("trainer.algorithm.use_kl_in_reward=true", "use_kl_in_reward"),
+    ("trainer.algorithm.kl_estimator_type=k2", "kl_estimator_type"),
+    ("trainer.update_ref_every_epoch=true", "update_ref_every_epoch"),
     ("trainer.critic.model.path=/some/critic", "trainer.critic.model.path"),
     ("trainer.algorithm.off_policy_correction.tis_ratio_type=token", "off_policy_correction"),
     ("trainer.algorithm.use_tis=true", "use_tis"),

@@ -88,6 +88,8 @@ def test_main_base_grpo_steps_run_on_arctic_rl(tiny_model, server, client, gsm8k
     rewards = metrics["reward/avg_raw_reward"]
     assert any(0 < r < 1 for r in rewards), rewards
     assert any(v > 1e-4 for v in metrics["policy/grad_norm"]), metrics["policy/grad_norm"]
+    # SkyRL's default KL loss ran against the job's reference model (the initial weights, which the warm-up left).
+    assert all(v > 1e-3 for v in metrics["policy/policy_kl"]), metrics["policy/policy_kl"]
     assert_the_backend_trained_skyrls_loss(metrics)
     # The weights changed on the server, by one optimizer step per mini-batch, and were synced to the sampler.
     assert client.state_digest() != digest

@@ -24,7 +24,7 @@ def overrides(server: str, model: str, *extra: str) -> list[str]:
             "generator.inference_engine.run_engines_locally=false",
             f"generator.inference_engine.external_proxy_url={server}",
             "generator.inference_engine.enable_ray_prometheus_stats=false", "trainer.placement.colocate_all=false",
-            f"trainer.policy.model.path={model}", "trainer.algorithm.use_kl_loss=false", "trainer.logger=console",
+            f"trainer.policy.model.path={model}", "trainer.logger=console",
             *extra]
 
 
@@ -34,11 +34,22 @@ def overrides(server: str, model: str, *extra: str) -> list[str]:
     (["generator.inference_engine.enable_ray_prometheus_stats=true"], "enable_ray_prometheus_stats"),
     (["trainer.policy.optimizer_config.weight_decay=0.0"], "optimizer_config.weight_decay"),
     (["trainer.policy.optimizer_config.max_grad_norm=0.5"], "optimizer_config.max_grad_norm"),
-    (["trainer.algorithm.use_kl_loss=true"], "use_kl_loss"),
+    (["trainer.algorithm.kl_estimator_type=abs"], "kl_estimator_type"),
 ])
 def test_a_setting_the_backend_would_not_honour_stops_start_up_by_name(server, tiny_model, extra, named):
     with pytest.raises(ArcticSetupError, match=named):
         main(overrides(server, tiny_model, *extra))
+
+
+def test_kl_needs_the_jobs_reference_model_on_skyrls_reference_weights(tiny_model, tmp_path):
+    from arctic_rl_core.attach import check_reference
+
+    key = "trainer.ref.model.path"
+    with pytest.raises(ArcticSetupError, match="reference.enable"):
+        check_reference(tiny_model, {"backend": {"reference": None}}, key)
+    served = {"model_path": "/elsewhere", "weights_fingerprint": "0" * 64}
+    with pytest.raises(ArcticSetupError, match="trainer.ref.model.path .* holds other weights"):
+        check_reference(tiny_model, {"backend": {"reference": served}}, key)
 
 
 def test_the_adapters_own_settings_are_checked_by_name(server, tiny_model):

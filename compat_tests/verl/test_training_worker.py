@@ -141,6 +141,48 @@ def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model
     assert max(abs(a - b) for x, y in zip(after, expected.logprobs) for a, b in zip(x, y)) > 1e-4
 
 
+def test_kl_loss_trains_against_the_jobs_reference_model(tiny_model, server, client):
+    """verl's ref worker (a forward-only engine) reads the job's reference model; the actor update's KL term is
+    verl's: the loss the backend differentiated equals verl's ppo_loss with use_kl_loss on the same inputs."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    ref_engine = ArcticEngineConfig(url=server, forward_only=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
+                                    infer_micro_batch_size_per_gpu=4)
+    ref_worker = TrainingWorker(config=TrainingWorkerConfig(
+        model_type="language_model", model_config=HFModelConfig(path=tiny_model, use_remove_padding=True),
+        engine_config=ref_engine, optimizer_config=OptimizerConfig(lr=1e-2), checkpoint_config=CheckpointConfig()))
+    ref_worker.reset()
+    td = grpo_batch(tokenizer)
+    sequences = [Sequence(prompt_ids=p.tolist(), response_ids=r.tolist())
+                 for p, r in zip(td["prompts"].unbind(), td["responses"].unbind())]
+    out = ref_worker.infer_batch(td.clone())["log_probs"]
+    ref = [row[len(p) - 1 : len(p) - 1 + len(r)] for row, p, r in zip(out.unbind(), td["prompts"].unbind(), td["responses"].unbind())]
+    served = client.log_probs(sequences, source="reference").logprobs
+    assert all(torch.allclose(a, torch.tensor(b), atol=1e-6) for a, b in zip(ref, served))
+
+    worker = worker_for(tiny_model, server)
+    actor = ActorConfig(strategy="arctic_rl", rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
+                        use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="low_var_kl")
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    current = client.log_probs(sequences).logprobs
+    td["old_log_probs"] = response_nested([torch.tensor(lp) for lp in current])
+    td["advantages"] = response_nested([torch.full((len(lp),), float(a)) for lp, a in
+                                        zip(current, torch.linspace(-1.0, 1.0, len(current)))])
+    # The reference, moved so that the KL term is far from 0 (the policy is still at the initial weights).
+    td["ref_log_prob"] = response_nested([r + torch.linspace(-0.3, 0.3, len(r)) for r in ref])
+    tu.pop(td, "compute_loss")
+    tu.assign_non_tensor(td, global_batch_size=len(current), mini_batch_size=len(current), epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
+    inputs = td.clone()
+    tu.assign_non_tensor(inputs, batch_num_tokens=float(inputs["loss_mask"].sum()), dp_size=1)
+    verl_loss, verl_metrics = ppo_loss(actor, model_output={"log_probs": full_row_layout(current, inputs)}, data=inputs)
+    metrics = tu.get(worker.train_mini_batch(td), "metrics")
+    kl = as_float(next(v for k, v in metrics.items() if k.endswith("kl_loss")))
+    assert kl == pytest.approx(as_float(verl_metrics["kl_loss"]), rel=1e-5) and kl > 1e-2
+    assert as_float(metrics["arctic/loss"]) == pytest.approx(float(verl_loss), rel=1e-5, abs=1e-7)
+
+
 def test_misconfiguration_fails_at_start_up_saying_what_to_fix(tiny_model, server, tmp_path):
     with pytest.raises(ArcticSetupError, match="no Arctic RL server answers at http://127.0.0.1:9 .*actor_rollout_ref.actor.arctic.url"):
         worker_for(tiny_model, "http://127.0.0.1:9")

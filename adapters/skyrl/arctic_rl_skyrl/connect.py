@@ -8,6 +8,7 @@ from transformers import AutoConfig
 from arctic_rl_core import attach
 from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_skyrl.losses import uses_reference
 from arctic_rl_skyrl.settings import PREFIX, ArcticSettings
 
 PROXY = "generator.inference_engine.external_proxy_url"
@@ -43,8 +44,14 @@ def connect(cfg, settings: ArcticSettings) -> ArcticRLClient:
     optim = cfg.trainer.policy.optimizer_config
     ours = attach.optimizer_settings(optim.weight_decay, optim.adam_betas, optim.max_grad_norm)
     model_path = cfg.trainer.policy.model.path
-    status = attach.start_or_get_job(client, status, {"model_path": model_path, "engine": {"learning_rate": optim.lr, **ours}})
+    job = {"model_path": model_path, "engine": {"learning_rate": optim.lr, **ours}}
+    if uses_reference(cfg):
+        ref_path = cfg.trainer.ref.model.path
+        job["reference"] = {"enable": True, "model_path": None if ref_path == model_path else ref_path}
+    status = attach.start_or_get_job(client, status, job)
     attach.check_model(model_path, AutoConfig.from_pretrained(model_path).to_dict(), status, KEYS)
     attach.check_optimizer(ours, status, {"weight_decay": "weight_decay", "betas": "adam_betas", "grad_clip": "max_grad_norm"},
                            KEYS)
+    if uses_reference(cfg):
+        attach.check_reference(cfg.trainer.ref.model.path, status, "trainer.ref.model.path")
     return client

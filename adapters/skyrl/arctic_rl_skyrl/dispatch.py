@@ -28,6 +28,8 @@ from arctic_rl_skyrl.batch import group_ids, response_lengths, right_aligned, se
 from arctic_rl_skyrl.losses import behaviour_key, loss_spec
 
 POLICY = "policy"
+SCORED = {"policy": "trainer", "ref": "reference"}
+"""SkyRL's models the backend scores, and where: the policy's current weights, the job's reference model."""
 
 
 def lr_schedule(optim, num_training_steps: int | None):
@@ -81,7 +83,8 @@ class ArcticDispatch:
     @staticmethod
     def _policy(model: str) -> None:
         if model != POLICY:
-            raise ArcticSetupError(f"SkyRL asked the Arctic RL backend for its {model!r} model; it serves the policy only")
+            raise ArcticSetupError(f"SkyRL asked the Arctic RL backend to train its {model!r} model; it trains the "
+                                   "policy only")
 
     # -- placement: the backend places and offloads itself -----------------------------------------------
 
@@ -130,13 +133,15 @@ class ArcticDispatch:
     def forward(self, model: str, data, loss_fn=None, loss_fn_config=None, model_id=None):
         from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 
-        self._policy(model)
+        if model not in SCORED:
+            raise ArcticSetupError(f"SkyRL asked the Arctic RL backend for its {model!r} model; it serves "
+                                   f"{', '.join(SCORED)}")
         if loss_fn is not None:
             raise ArcticSetupError(f"loss_fn={loss_fn!r}: the Arctic RL dispatch serves SkyRL's PPO trainer, whose "
                                    "forward passes take no loss")
         lengths, groups = self._row_layout(data)
         sequences = sequences_from_batch(data, groups, lengths=lengths)
-        scored = self.client.log_probs(sequences, temperature=self.temperature)
+        scored = self.client.log_probs(sequences, temperature=self.temperature, source=SCORED[model])
         width = data.metadata["response_length"]
         rows = right_aligned(scored.logprobs, width)
         return WorkerOutput(loss_fn_outputs=[{"logprobs": row.tolist()} for row in rows], metrics={})
@@ -178,7 +183,7 @@ class ArcticDispatch:
 
     def _skyrl_metrics(self, data, logprobs: list[list[float]], entropy: list[list[float]]) -> dict[str, float]:
         """SkyRL's worker metrics for this mini-batch, from SkyRL's own functions over its micro-batches."""
-        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry
+        from skyrl.backends.skyrl_train.utils.ppo_utils import PolicyLossRegistry, compute_approx_kl
         from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
         from skyrl.backends.skyrl_train.workers.worker_utils import (
             compute_minibatch_rollout_logprob_diff_metrics,
@@ -200,10 +205,17 @@ class ArcticDispatch:
                                                     loss_mask=mask, rollout_logprobs=rollout)
                 mb_entropy = masked_mean(entropy_all[start:end], mask)
             bonus = mb_entropy * algorithm.entropy_loss_coef if algorithm.use_entropy_loss else torch.tensor(0.0)
-            status = {"final_loss": float(policy_loss - bonus * (end - start) / rows),
+            kl = torch.tensor(0.0)
+            if algorithm.use_kl_loss:
+                kl = masked_mean(compute_approx_kl(logp, mb["base_action_log_probs"], loss_mask=mask,
+                                                   kl_estimator_type=algorithm.kl_estimator_type), mask, dim=-1).mean()
+            penalties = kl * algorithm.kl_loss_coef - bonus
+            status = {"final_loss": float(policy_loss + penalties * (end - start) / rows),
                       "policy_loss": float(policy_loss), "policy_entropy": float(mb_entropy),
                       "response_length": width, "policy_lr": self.schedule.get_last_lr()[0]}
             status.update({f"loss_metrics/{k}": v for k, v in loss_metrics.items()})
+            if algorithm.use_kl_loss:
+                status["policy_kl"] = float(kl)
             status.update(compute_minibatch_rollout_logprob_diff_metrics(logp, rollout, mask))
             for key, value in status.items():
                 collected[key].append(value)

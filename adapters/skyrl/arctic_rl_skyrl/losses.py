@@ -3,7 +3,7 @@
 SkyRL applies its loss reduction by scaling the advantages of each mini-batch
 (`apply_loss_reduction_to_advantages_minibatch`) and then sums the per-token losses, so the
 backend sums too (`token-sum`) over the advantages it is sent: every `loss_reduction` is
-reproduced exactly. Its entropy bonus is a mean over micro-batches of each one's token mean,
+reproduced exactly. Its KL loss (against the job's reference model) is a per-sequence mean. Its entropy bonus is a mean over micro-batches of each one's token mean,
 which is a per-sequence mean for micro-batches of one sample and a token mean for a micro-batch
 holding the whole mini-batch; any other split would tie the loss to SkyRL's micro-batching and
 is refused.
@@ -16,6 +16,13 @@ from arctic_rl_core.types import LossSpec
 
 ALGORITHM = "trainer.algorithm"
 SERVED_POLICY_LOSSES = ("regular", "dual_clip", "cispo")
+KL_ESTIMATORS = {"k1": "k1", "k3": "k3"}
+"""SkyRL's `kl_estimator_type` -> the backend's `kl_loss_type` (the same formulas, k3 with the same clamp)."""
+
+
+def uses_reference(cfg) -> bool:
+    """Whether SkyRL's trainer asks for reference log-probs (its KL loss or KL reward penalty)."""
+    return bool(cfg.trainer.algorithm.use_kl_loss or cfg.trainer.algorithm.use_kl_in_reward)
 
 
 def _off_policy_correction_on(opc) -> bool:
@@ -30,10 +37,11 @@ def check_algorithm(cfg) -> None:
     if algorithm.policy_loss_type not in SERVED_POLICY_LOSSES:
         raise ArcticSetupError(f"{ALGORITHM}.policy_loss_type={algorithm.policy_loss_type!r}: Arctic RL serves "
                                f"{', '.join(SERVED_POLICY_LOSSES)}")
-    if algorithm.use_kl_loss or algorithm.use_kl_in_reward:
-        key = "use_kl_loss" if algorithm.use_kl_loss else "use_kl_in_reward"
-        raise ArcticSetupError(f"{ALGORITHM}.{key}=true needs a reference model, which the Arctic RL job does not "
-                               f"serve yet: set {ALGORITHM}.use_kl_loss=false {ALGORITHM}.use_kl_in_reward=false")
+    if uses_reference(cfg) and algorithm.kl_estimator_type not in KL_ESTIMATORS:
+        raise ArcticSetupError(f"{ALGORITHM}.kl_estimator_type={algorithm.kl_estimator_type!r}: the backend's KL "
+                               f"term serves {', '.join(KL_ESTIMATORS)}")
+    if cfg.trainer.update_ref_every_epoch:
+        raise ArcticSetupError("trainer.update_ref_every_epoch: the Arctic RL job's reference model is frozen")
     if cfg.trainer.critic.model.path:
         raise ArcticSetupError("trainer.critic.model.path is set: the Arctic RL job serves the policy only, not a "
                                f"critic (use a critic-free {ALGORITHM}.advantage_estimator such as grpo)")
@@ -79,6 +87,10 @@ def loss_spec(cfg) -> LossSpec:
             config["c_clip"] = algorithm.clip_ratio_c
     if algorithm.use_entropy_loss:
         config.update(entropy_coeff=algorithm.entropy_loss_coef, entropy_agg_mode=entropy_aggregation(cfg))
+    if algorithm.use_kl_loss and algorithm.kl_loss_coef > 0:
+        # SkyRL's KL loss is each sequence's token mean, averaged over the mini-batch, whatever its micro-batching.
+        config.update(kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=KL_ESTIMATORS[algorithm.kl_estimator_type],
+                      kl_agg_mode="seq-mean-token-mean")
     temperature = algorithm.temperature if algorithm.temperature is not None else 1.0
     post = [{"name": "apply_temperature", "config": {"temperature": temperature}}] if temperature != 1.0 else []
     return LossSpec(name="grpo", config=config, post=post)

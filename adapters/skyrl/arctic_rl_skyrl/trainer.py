@@ -17,6 +17,7 @@ from skyrl.train.trainer import RayPPOTrainer
 
 from arctic_rl_core.client import ArcticRLClient
 from arctic_rl_skyrl.dispatch import ArcticDispatch
+from arctic_rl_skyrl.losses import uses_reference
 
 
 def policy_training_steps(cfg, total_training_steps: int | None) -> int | None:
@@ -31,7 +32,9 @@ class ArcticPPOTrainer(RayPPOTrainer):
     client: ArcticRLClient
 
     def build_models(self, PolicyWorker=None, CriticWorker=None, RefWorker=None):
-        self.policy_model = self.critic_model = self.ref_model = None
+        self.policy_model = self.critic_model = None
+        # SkyRL asks for reference log-probs when it holds a reference model: the job's serves them.
+        self.ref_model = "the Arctic RL job's reference model" if uses_reference(self.cfg) else None
         self.dispatch = ArcticDispatch(self.cfg, self.client,
                                        policy_training_steps(self.cfg, self.total_training_steps))
         logger.info(f"policy training delegated to the Arctic RL server at {self.client.url}")

@@ -13,6 +13,8 @@ from tensordict import TensorDict
 
 from arctic_rl_core.types import LossSpec, Sequence
 
+# verl's kl_loss_type -> Arctic RL's (the same formulas; k3 with the same clamps). Not the straight-through "+" kinds.
+KL_TYPES = {"kl": "k1", "k1": "k1", "low_var_kl": "low_var_kl", "k3": "k3"}
 # verl's loss_agg_mode -> Arctic RL's GRPO aggregation (the same normalisations at one rank).
 AGGREGATION = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
                "seq-mean-token-sum": "seq-mean-token-sum"}
@@ -30,7 +32,8 @@ def _response_rows(data: TensorDict, key: str) -> list[np.ndarray] | None:
 
 def sequences_from_batch(data: TensorDict) -> list[Sequence]:
     """One `Sequence` per row: prompt and response ids, the GRPO group (`uid`), and the per-token
-    fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, mask).
+    fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, the reference's
+    log-probs, mask).
     Rows are numpy views of the batch's tensors, which the client sends without copying into lists."""
     prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
     if not prompts[0].dim() == 1 or "attention_mask" in data.keys() and not data["prompts"].is_nested:
@@ -39,12 +42,14 @@ def sequences_from_batch(data: TensorDict) -> list[Sequence]:
     mask = _response_rows(data, "response_mask")
     advantages = _response_rows(data, "advantages")
     old = _response_rows(data, "old_log_probs")
+    ref = _response_rows(data, "ref_log_prob")
     return [
         Sequence(
             prompt_ids=p.cpu().numpy(), response_ids=r.cpu().numpy(), group_id=None if uid is None else str(uid),
             loss_mask=None if mask is None else mask[i],
             advantages=None if advantages is None else advantages[i],
             behaviour_logprobs=None if old is None else old[i],
+            ref_logprobs=None if ref is None else ref[i],
         )
         for i, (p, r, uid) in enumerate(zip(prompts, responses, uids))
     ]
@@ -80,11 +85,16 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
     if agg is None:
         raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={actor_config.loss_agg_mode!r} is not supported; "
                          f"use one of {', '.join(AGGREGATION)}")
-    if actor_config.use_kl_loss:
-        raise ValueError("actor_rollout_ref.actor.use_kl_loss=True needs a reference model, which arctic_rl does not serve")
     low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
     high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
     config = {"eps_clip": low, "eps_clip_higher": high, "c_clip": actor_config.clip_ratio_c,
               "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff}
+    if actor_config.use_kl_loss:
+        # Against the job's reference model (verl's ref worker on arctic_rl: log_probs(source="reference")).
+        kind = KL_TYPES.get(actor_config.kl_loss_type)
+        if kind is None:
+            raise ValueError(f"actor_rollout_ref.actor.kl_loss_type={actor_config.kl_loss_type!r} is not supported; use "
+                             f"one of {', '.join(KL_TYPES)}")
+        config.update(kl_loss_coef=actor_config.kl_loss_coef, kl_loss_type=kind)
     post = [{"name": "apply_temperature", "config": {"temperature": temperature}}] if temperature != 1.0 else []
     return LossSpec(name="grpo", config=config, post=post)

@@ -12,7 +12,7 @@ URL_KEY = "actor_rollout_ref.actor.arctic.url"
 OPTIM_KEY = "actor_rollout_ref.actor.optim"
 KEYS = attach.Keys(url=URL_KEY, model="actor_rollout_ref.model.path", optimizer=OPTIM_KEY, framework="verl")
 
-__all__ = ["ArcticSetupError", "URL_KEY", "client_for", "connect"]
+__all__ = ["ArcticSetupError", "URL_KEY", "client_for", "connect", "connect_reference"]
 
 
 def client_for(url: str, token_env: str, timeout_s: float, retries: int = 3) -> ArcticRLClient:
@@ -47,3 +47,14 @@ def _optimizer(optim) -> dict:
     """verl's AdamW settings as the job holds them; `grad_clip` is verl's newer name for `clip_grad` (0/None: off)."""
     clip = optim.grad_clip if getattr(optim, "grad_clip", None) is not None else optim.clip_grad
     return attach.optimizer_settings(optim.weight_decay, optim.betas, clip)
+
+
+def connect_reference(arctic, model_config) -> ArcticRLClient:
+    """A client for the server's reference model, which verl's ref worker (`forward_only`) reads its log-probs from:
+    the job's, on the weights of verl's reference (actor_rollout_ref.model.path)."""
+    client, status = attach.reach(arctic.url, arctic.token_env, arctic.timeout_s, KEYS, retries=1)
+    if not status["initialized"]:
+        raise ArcticSetupError(f"the Arctic RL server at {arctic.url} runs no job, and verl builds its reference before "
+                               "its actor: start the server with a job (--config) holding reference.enable: true")
+    attach.check_reference(model_config.local_path, status, "actor_rollout_ref.model.path")
+    return client

@@ -25,7 +25,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from arctic_rl_core import checkpoint_handles
 from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch
-from arctic_rl_verl.connect import ArcticSetupError, connect
+from arctic_rl_verl.connect import ArcticSetupError, connect, connect_reference
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,15 @@ class ArcticRLEngine(BaseEngine):
         self.checkpoint_config = checkpoint_config
         self.client = None
         self.mode = None
+        self.reference = False
+        """verl's ref worker (`forward_only`): scores with the job's reference model, never trains."""
 
     def initialize(self):
-        if getattr(self.engine_config, "forward_only", False):
-            raise ValueError("arctic_rl serves the policy only, not a frozen reference model: set "
-                             "actor_rollout_ref.actor.use_kl_loss=False and algorithm.use_kl_in_reward=False")
+        self.reference = bool(getattr(self.engine_config, "forward_only", False))
+        if self.reference:
+            # verl's ref worker (use_kl_loss / use_kl_in_reward): log-probs of the job's frozen reference model.
+            self.client = connect_reference(self.engine_config, self.model_config)
+            return
         workers = self.get_data_parallel_size()
         if workers > 1:
             # Each worker would send its shard of a mini-batch as its own fwd_bwd and step: groups split, and as
@@ -122,7 +126,8 @@ class ArcticRLEngine(BaseEngine):
             scored = result = self.client.fwd_bwd(sequences, loss_spec(loss_function.keywords["config"], temperature),
                                                   return_logprobs=True, with_entropy=with_entropy)
         else:
-            scored = self.client.log_probs(sequences, with_entropy=with_entropy, temperature=temperature)
+            scored = self.client.log_probs(sequences, with_entropy=with_entropy, temperature=temperature,
+                                           source="reference" if self.reference else "trainer")
         model_output = {"log_probs": full_row_layout(scored.logprobs, data)}
         if with_entropy:
             model_output["entropy"] = full_row_layout(scored.entropy, data)
