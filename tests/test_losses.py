@@ -237,3 +237,18 @@ def test_post_processors_temperature_logprobs_entropy():
     assert out["logprobs"][0].item() == pytest.approx(math.log(0.9), rel=1e-6)
     assert out["logprobs"][1].item() == pytest.approx(math.log(0.5), rel=1e-6)
     assert out["entropy"][1].item() == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_gspo_takes_each_sequences_geometric_mean_ratio_with_per_token_gradients():
+    # Sequence 0: log-ratios ln 2 and 0 -> ratio sqrt(2) at both tokens, clipped at 1.2 (no gradient); sequence 1:
+    # ratio 1, gradient -A/3 through its own token only.
+    old = [math.log(0.25), math.log(0.5), math.log(0.5)]
+    logp = logp_leaf([math.log(0.5), math.log(0.5), math.log(0.5)])
+    inputs = make_inputs([0, 0, 1], advantages=[1.0, 1.0, 1.0], behaviour_logprobs=old)
+    loss, metrics = grpo_loss({"logprobs": logp}, inputs, GRPOConfig(importance_ratio="sequence"))
+    assert loss.item() == pytest.approx((-1.2 - 1.2 - 1.0) / 3, rel=1e-6)
+    assert float(metrics["ratio_mean"]) == pytest.approx((2 * math.sqrt(2) + 1) / 3, rel=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([0.0, 0.0, -1 / 3]), atol=1e-7)
+    with pytest.raises(ValueError, match="GSPO"):
+        GRPOConfig(importance_ratio="sequence", use_cispo_loss=True)

@@ -7,6 +7,7 @@ Per response token (logp: current policy, old: behaviour policy, A: advantage):
          = old + a * (logp.detach() - old)          (prox_logp_method=loglinear,
              a = (d - 1) / d, d = current_version - behaviour_version, a = 0 for d <= 1)
   r      = exp(logp - prox)
+         = exp(sg(mean_seq(logp - prox)) + logp - sg(logp)), clamped at e^10   (importance_ratio=sequence: GSPO)
   pg     = max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_higher))      (PPO, clip-higher)
   pg     = min(pg, -A c_clip)   where A < 0                               (dual clip)
   pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead)
@@ -36,6 +37,8 @@ class GRPOConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     eps_clip: float = Field(0.2, ge=0)
+    importance_ratio: Literal["token", "sequence"] = "token"
+    """`sequence`: GSPO's ratio, each token's the geometric mean of its sequence's (gradient per token)."""
     eps_clip_higher: float | None = Field(None, ge=0)
     """Upper clip bound (clip-higher, DAPO). Defaults to eps_clip."""
     c_clip: float | None = Field(None, gt=1)
@@ -62,6 +65,9 @@ class GRPOConfig(BaseModel):
     def _consistent(self) -> "GRPOConfig":
         if self.is_weight_clip_min >= self.is_weight_clip_max:
             raise ValueError("is_weight_clip_min must be below is_weight_clip_max")
+        if self.importance_ratio == "sequence" and (self.use_cispo_loss or self.use_decoupled_loss):
+            raise ValueError("importance_ratio 'sequence' (GSPO) is PPO's clip on a sequence ratio: not with "
+                             "use_cispo_loss or use_decoupled_loss")
         return self
 
     def required_fields(self) -> tuple[str, ...]:
@@ -90,6 +96,16 @@ def loglinear_proximal(logp: torch.Tensor, old: torch.Tensor, behaviour_version:
     staleness = (current_version - behaviour_version).to(logp.dtype)
     alpha = torch.where(staleness > 1, (staleness - 1) / staleness.clamp(min=1), torch.zeros_like(staleness))
     return old + alpha * (logp.detach() - old)
+
+
+def sequence_log_ratio(logp: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """GSPO-token's log-ratio: sg(mean over the sequence's trained tokens of log(pi/pi_prox)) + logp - sg(logp),
+    clamped above at 10 as GSPO's implementations clamp it. A sequence lies whole in one micro-batch."""
+    per_token = ((logp - prox) * mask).detach()
+    sums = torch.zeros(inputs.seq_tokens.shape[0], dtype=per_token.dtype, device=per_token.device)
+    sums = sums.index_add(0, inputs.seq_index, per_token)
+    means = sums / inputs.seq_tokens.to(per_token.dtype).clamp(min=1)
+    return (logp - logp.detach() + means[inputs.seq_index]).clamp(max=10.0)
 
 
 def m2po_keep_mask(second_moment: torch.Tensor, valid: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -127,7 +143,10 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
         current = config.current_version if config.current_version is not None else inputs.weight_version
         prox = loglinear_proximal(logp, old, inputs.behaviour_version, current)
 
-    ratio = torch.exp(logp - prox)
+    if config.importance_ratio == "sequence":
+        ratio = torch.exp(sequence_log_ratio(logp, prox, mask, inputs))
+    else:
+        ratio = torch.exp(logp - prox)
     eps_high = config.eps_clip if config.eps_clip_higher is None else config.eps_clip_higher
     zero = torch.zeros_like(logp)
     if config.use_cispo_loss:

@@ -91,7 +91,7 @@ def arctic_loss(cfg, logp, old, scaled, loss_mask, entropy, reference) -> torch.
     return loss
 
 
-@pytest.mark.parametrize("policy_loss", ["regular", "dual_clip", "cispo"])
+@pytest.mark.parametrize("policy_loss", ["regular", "dual_clip", "cispo", "gspo"])
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean",
                                        "token_mean_legacy"])
 @pytest.mark.parametrize("terms", ["policy", "entropy", "kl-k3", "kl-k1"])
@@ -125,7 +125,7 @@ def test_clips_engage_in_this_batch():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("trainer.algorithm.policy_loss_type=gspo", "policy_loss_type"),
+    ("trainer.algorithm.policy_loss_type=sapo", "policy_loss_type"),
     ("trainer.algorithm.kl_estimator_type=k2", "kl_estimator_type"),
     ("trainer.update_ref_every_epoch=true", "update_ref_every_epoch"),
     ("trainer.critic.model.path=/some/critic", "trainer.critic.model.path"),

@@ -91,13 +91,17 @@ def response_nested(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
-def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client):
+@pytest.mark.parametrize("loss_mode, agg", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean"),
+                                            ("vanilla", "token-sum")])
+def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client, loss_mode, agg):
     from transformers import AutoTokenizer
+    from verl.workers.config import PolicyLossConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     worker = worker_for(tiny_model, server)
     actor = ActorConfig(strategy="arctic_rl", rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
-                        clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=False)
+                        clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=False, loss_agg_mode=agg,
+                        policy_loss=PolicyLossConfig(loss_mode=loss_mode))
     worker.set_loss_fn(partial(ppo_loss, config=actor))
     td = grpo_batch(tokenizer)
     sequences = [Sequence(prompt_ids=p.tolist(), response_ids=r.tolist())
@@ -111,8 +115,10 @@ def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model
         assert torch.allclose(row[len(p) - 1 : len(p) - 1 + len(r)], torch.tensor(exp), atol=1e-6)
     assert out["entropy"].is_nested
 
-    # update_actor inputs: stale old log-probs (so ratios spread over the clip range) and mixed-sign advantages.
-    old = [torch.tensor(lp) + torch.linspace(-0.4, 0.4, len(lp)) for lp in expected.logprobs]
+    # update_actor inputs: stale old log-probs (so ratios spread over the clip range, per token and per sequence) and
+    # mixed-sign advantages.
+    old = [torch.tensor(lp) + torch.linspace(-0.4, 0.4, len(lp)) + float(shift)
+           for lp, shift in zip(expected.logprobs, torch.linspace(-0.3, 0.3, len(expected.logprobs)))]
     advantages = [torch.full((len(lp),), float(a)) for lp, a in zip(expected.logprobs, torch.linspace(-1.5, 1.5, len(old)))]
     td["old_log_probs"] = response_nested(old)
     td["advantages"] = response_nested(advantages)
@@ -256,8 +262,8 @@ print(get_rollout_class("arctic_rl").__name__, RolloutReplicaRegistry.get("arcti
 
 @pytest.mark.parametrize("setting, refused", [
     ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_mode='seq-mean-token-sum-norm' is not supported"),
-    ({"policy_loss": {"loss_mode": "gspo"}}, "policy_loss.loss_mode='gspo': arctic_rl serves 'vanilla'"),
-    ({"use_kl_loss": True}, "use_kl_loss=True needs a reference model"),
+    ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov': arctic_rl serves vanilla, gspo"),
+    ({"use_kl_loss": True, "kl_loss_type": "mse"}, "kl_loss_type='mse' is not supported"),
 ])
 def test_loss_settings_it_cannot_honour_stop_the_run_when_the_actor_config_is_built(setting, refused):
     """verl builds the actor's config when its workers start, before any rollout."""

@@ -15,7 +15,7 @@ from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.types import LossSpec
 
 ALGORITHM = "trainer.algorithm"
-SERVED_POLICY_LOSSES = ("regular", "dual_clip", "cispo")
+SERVED_POLICY_LOSSES = ("regular", "dual_clip", "cispo", "gspo")
 KL_ESTIMATORS = {"k1": "k1", "k3": "k3"}
 """SkyRL's `kl_estimator_type` -> the backend's `kl_loss_type` (the same formulas, k3 with the same clamp)."""
 
@@ -74,7 +74,8 @@ def entropy_aggregation(cfg) -> str | None:
 
 
 def loss_spec(cfg) -> LossSpec:
-    """The backend's loss for SkyRL's policy loss: PPO clip (clip-higher, dual clip) or CISPO, summed over
+    """The backend's loss for SkyRL's policy loss: PPO clip (clip-higher, dual clip; GSPO's sequence ratio) or CISPO,
+    summed over
     SkyRL's scaled advantages, with SkyRL's entropy bonus, at SkyRL's training temperature."""
     algorithm = cfg.trainer.algorithm
     config: dict = {"loss_agg_mode": "token-sum"}
@@ -85,6 +86,8 @@ def loss_spec(cfg) -> LossSpec:
         config.update(eps_clip=algorithm.eps_clip_low, eps_clip_higher=algorithm.eps_clip_high)
         if algorithm.policy_loss_type == "dual_clip":
             config["c_clip"] = algorithm.clip_ratio_c
+        if algorithm.policy_loss_type == "gspo":
+            config["importance_ratio"] = "sequence"
     if algorithm.use_entropy_loss:
         config.update(entropy_coeff=algorithm.entropy_loss_coef, entropy_agg_mode=entropy_aggregation(cfg))
     if algorithm.use_kl_loss and algorithm.kl_loss_coef > 0:

@@ -13,11 +13,13 @@ from tensordict import TensorDict
 
 from arctic_rl_core.types import LossSpec, Sequence
 
+# verl's policy_loss.loss_mode -> the GRPO loss's settings beside the clip range (verl's gspo has no dual clip).
+LOSS_MODES = {"vanilla": lambda actor: {"c_clip": actor.clip_ratio_c}, "gspo": lambda actor: {"importance_ratio": "sequence"}}
 # verl's kl_loss_type -> Arctic RL's (the same formulas; k3 with the same clamps). Not the straight-through "+" kinds.
 KL_TYPES = {"kl": "k1", "k1": "k1", "low_var_kl": "low_var_kl", "k3": "k3"}
 # verl's loss_agg_mode -> Arctic RL's GRPO aggregation (the same normalisations at one rank).
 AGGREGATION = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
-               "seq-mean-token-sum": "seq-mean-token-sum"}
+               "seq-mean-token-sum": "seq-mean-token-sum", "token-sum": "token-sum"}
 
 
 def _rows(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -76,19 +78,20 @@ def batch_temperature(data: TensorDict) -> float:
 
 
 def loss_spec(actor_config, temperature: float) -> LossSpec:
-    """Arctic RL's GRPO loss with the settings of verl's vanilla PPO policy loss."""
+    """Arctic RL's GRPO loss with the settings of verl's policy loss: `vanilla` (PPO clip with dual clip) or `gspo`
+    (PPO's clip on GSPO's sequence ratio)."""
     mode = actor_config.policy_loss.loss_mode
-    if mode != "vanilla":
-        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: arctic_rl serves 'vanilla' "
-                         "(PPO clip with dual clip, verl's default for GRPO)")
+    if mode not in LOSS_MODES:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: arctic_rl serves "
+                         f"{', '.join(LOSS_MODES)}")
     agg = AGGREGATION.get(actor_config.loss_agg_mode)
     if agg is None:
         raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={actor_config.loss_agg_mode!r} is not supported; "
                          f"use one of {', '.join(AGGREGATION)}")
     low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
     high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
-    config = {"eps_clip": low, "eps_clip_higher": high, "c_clip": actor_config.clip_ratio_c,
-              "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff}
+    config = {"eps_clip": low, "eps_clip_higher": high, "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff,
+              **LOSS_MODES[mode](actor_config)}
     if actor_config.use_kl_loss:
         # Against the job's reference model (verl's ref worker on arctic_rl: log_probs(source="reference")).
         kind = KL_TYPES.get(actor_config.kl_loss_type)
