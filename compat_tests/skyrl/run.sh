@@ -5,9 +5,18 @@
 # tests. The Arctic RL server they start runs in the main environment (.venv, `make install`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PYTHON=${SKYRL_PYTHON:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}
+# A Python 3.12 that runs (a pyenv shim answers `command -v` without one being selected).
+PYTHON=${SKYRL_PYTHON:-}
 if [ -z "$PYTHON" ]; then
-  echo "compat_tests/skyrl: skyrl 0.4.0 needs Python 3.12 and none was found (set SKYRL_PYTHON)" >&2
+  for candidate in python3.12 $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null); do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      PYTHON=$candidate
+      break
+    fi
+  done
+fi
+if [ -z "$PYTHON" ]; then
+  echo "compat_tests/skyrl: skyrl 0.4.0 needs Python 3.12 and none runs here (set SKYRL_PYTHON)" >&2
   exit 1
 fi
 VENV=.cache/compat-skyrl-venv
