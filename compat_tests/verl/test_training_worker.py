@@ -118,7 +118,7 @@ def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model
     # update_actor inputs: stale old log-probs (so ratios spread over the clip range, per token and per sequence) and
     # mixed-sign advantages.
     old = [torch.tensor(lp) + torch.linspace(-0.4, 0.4, len(lp)) + float(shift)
-           for lp, shift in zip(expected.logprobs, torch.linspace(-0.3, 0.3, len(expected.logprobs)))]
+           for lp, shift in zip(expected.logprobs, torch.linspace(0.3, -0.3, len(expected.logprobs)))]
     advantages = [torch.full((len(lp),), float(a)) for lp, a in zip(expected.logprobs, torch.linspace(-1.5, 1.5, len(old)))]
     td["old_log_probs"] = response_nested(old)
     td["advantages"] = response_nested(advantages)
