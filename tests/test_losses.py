@@ -252,3 +252,14 @@ def test_gspo_takes_each_sequences_geometric_mean_ratio_with_per_token_gradients
     assert torch.allclose(logp.grad, torch.tensor([0.0, 0.0, -1 / 3]), atol=1e-7)
     with pytest.raises(ValueError, match="GSPO"):
         GRPOConfig(importance_ratio="sequence", use_cispo_loss=True)
+
+
+def test_cispo_with_equal_bounds_is_the_plain_policy_gradient():
+    """verl's gpg: a stopped weight of exactly 1, so the loss is -A logp whatever the ratio."""
+    loss, _, grad = ratios_setup([2.0, 0.5], [1.0, -1.0], use_cispo_loss=True, is_weight_clip_min=1.0,
+                                 is_weight_clip_max=1.0)
+    lp = [math.log(1.0), math.log(0.25)]
+    assert loss == pytest.approx((-lp[0] + lp[1]) / 2, rel=1e-6)
+    assert torch.allclose(grad, torch.tensor([-0.5, 0.5]), atol=1e-7)
+    with pytest.raises(ValueError, match="is_weight_clip_min must not be above"):
+        GRPOConfig(use_cispo_loss=True, is_weight_clip_min=2.0, is_weight_clip_max=1.0)

@@ -10,7 +10,7 @@ Per response token (logp: current policy, old: behaviour policy, A: advantage):
          = exp(sg(mean_seq(logp - prox)) + logp - sg(logp)), clamped at e^10   (importance_ratio=sequence: GSPO)
   pg     = max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_higher))      (PPO, clip-higher)
   pg     = min(pg, -A c_clip)   where A < 0                               (dual clip)
-  pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead)
+  pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead; bounds 1, 1: GPG's -A logp)
   pg    *= sg(exp(prox - old)), tokens with weight > behav_imp_weight_cap masked   (decoupled)
   M2PO:  mask the tokens with the largest (prox - old)^2 until the rest's mean < m2_threshold
   KL     k1: logp - ref;   k3 / low_var_kl: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]
@@ -63,8 +63,8 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "GRPOConfig":
-        if self.is_weight_clip_min >= self.is_weight_clip_max:
-            raise ValueError("is_weight_clip_min must be below is_weight_clip_max")
+        if self.is_weight_clip_min > self.is_weight_clip_max:
+            raise ValueError("is_weight_clip_min must not be above is_weight_clip_max")
         if self.importance_ratio == "sequence" and (self.use_cispo_loss or self.use_decoupled_loss):
             raise ValueError("importance_ratio 'sequence' (GSPO) is PPO's clip on a sequence ratio: not with "
                              "use_cispo_loss or use_decoupled_loss")

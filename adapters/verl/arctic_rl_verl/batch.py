@@ -13,8 +13,15 @@ from tensordict import TensorDict
 
 from arctic_rl_core.types import LossSpec, Sequence
 
-# verl's policy_loss.loss_mode -> the GRPO loss's settings beside the clip range (verl's gspo has no dual clip).
-LOSS_MODES = {"vanilla": lambda actor: {"c_clip": actor.clip_ratio_c}, "gspo": lambda actor: {"importance_ratio": "sequence"}}
+# verl's policy_loss.loss_mode -> the GRPO loss's settings beside the clip range (low, high): PPO's clip with dual clip,
+# PPO's clip on GSPO's sequence ratio, CISPO's clipped stopped weight, GPG's plain -A logp (a weight of exactly 1).
+LOSS_MODES = {
+    "vanilla": lambda actor, low, high: {"c_clip": actor.clip_ratio_c},
+    "gspo": lambda actor, low, high: {"importance_ratio": "sequence"},
+    "cispo": lambda actor, low, high: {"use_cispo_loss": True, "is_weight_clip_min": max(0.0, 1 - low),
+                                       "is_weight_clip_max": 1 + high},
+    "gpg": lambda actor, low, high: {"use_cispo_loss": True, "is_weight_clip_min": 1.0, "is_weight_clip_max": 1.0},
+}
 # verl's kl_loss_type -> Arctic RL's (the same formulas; k3 with the same clamps). Not the straight-through "+" kinds.
 KL_TYPES = {"kl": "k1", "k1": "k1", "low_var_kl": "low_var_kl", "k3": "k3"}
 # verl's loss_agg_mode -> Arctic RL's GRPO aggregation (the same normalisations at one rank).
@@ -78,8 +85,7 @@ def batch_temperature(data: TensorDict) -> float:
 
 
 def loss_spec(actor_config, temperature: float) -> LossSpec:
-    """Arctic RL's GRPO loss with the settings of verl's policy loss: `vanilla` (PPO clip with dual clip) or `gspo`
-    (PPO's clip on GSPO's sequence ratio)."""
+    """Arctic RL's GRPO loss with the settings of verl's policy loss (`LOSS_MODES`)."""
     mode = actor_config.policy_loss.loss_mode
     if mode not in LOSS_MODES:
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: arctic_rl serves "
@@ -91,7 +97,7 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
     low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
     high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
     config = {"eps_clip": low, "eps_clip_higher": high, "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff,
-              **LOSS_MODES[mode](actor_config)}
+              **LOSS_MODES[mode](actor_config, low, high)}
     if actor_config.use_kl_loss:
         # Against the job's reference model (verl's ref worker on arctic_rl: log_probs(source="reference")).
         kind = KL_TYPES.get(actor_config.kl_loss_type)
