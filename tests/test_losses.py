@@ -263,3 +263,19 @@ def test_cispo_with_equal_bounds_is_the_plain_policy_gradient():
     assert torch.allclose(grad, torch.tensor([-0.5, 0.5]), atol=1e-7)
     with pytest.raises(ValueError, match="is_weight_clip_min must not be above"):
         GRPOConfig(use_cispo_loss=True, is_weight_clip_min=2.0, is_weight_clip_max=1.0)
+
+
+def test_gmpo_is_the_mean_over_sequences_of_minus_the_mean_advantage_times_the_geometric_mean_ratio():
+    from arctic_rl_core.losses.gmpo import GMPOConfig, gmpo_loss
+
+    # Sequence 0 (A = 1): log-ratios 0.8 (clipped to 0.4) and 0 -> ratio e^0.2. Sequence 1 (A = -1): log-ratio -0.8,
+    # s*d = 0.8 against s*d_clip = 0.4: the clipped one is smaller -> m = -0.4, ratio e^-0.4.
+    old = [-1.0, -1.0, -1.0]
+    logp = logp_leaf([-0.2, -1.0, -1.8])
+    inputs = make_inputs([0, 0, 1], advantages=[1.0, 1.0, -1.0], behaviour_logprobs=old)
+    loss, metrics = gmpo_loss({"logprobs": logp}, inputs, GMPOConfig(eps_clip=0.4))
+    assert loss.item() == pytest.approx((-math.exp(0.2) + math.exp(-0.4)) / 2, rel=1e-6)
+    assert float(metrics["clip_frac"]) == pytest.approx(2 / 3)
+    loss.backward()
+    # Only unclipped tokens carry gradient: token 1 of sequence 0 (d/dlogp = -e^0.2 / 2 / 2).
+    assert torch.allclose(logp.grad, torch.tensor([0.0, -math.exp(0.2) / 4, 0.0]), atol=1e-6)

@@ -93,7 +93,7 @@ def response_nested(rows: list[torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("loss_mode, agg", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean"),
                                             ("vanilla", "token-sum"), ("cispo", "token-mean"),
-                                            ("gpg", "seq-mean-token-sum")])
+                                            ("gpg", "seq-mean-token-sum"), ("geo_mean", "token-mean")])
 def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client, loss_mode, agg):
     from transformers import AutoTokenizer
     from verl.workers.config import PolicyLossConfig
@@ -265,7 +265,7 @@ print(get_rollout_class("arctic_rl").__name__, RolloutReplicaRegistry.get("arcti
 
 @pytest.mark.parametrize("setting, refused", [
     ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_mode='seq-mean-token-sum-norm' is not supported"),
-    ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov': arctic_rl serves vanilla, gspo, cispo, gpg"),
+    ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov': arctic_rl serves vanilla, gspo, cispo, gpg, geo_mean"),
     ({"use_kl_loss": True, "kl_loss_type": "mse"}, "kl_loss_type='mse' is not supported"),
 ])
 def test_loss_settings_it_cannot_honour_stop_the_run_when_the_actor_config_is_built(setting, refused):

@@ -87,15 +87,23 @@ def batch_temperature(data: TensorDict) -> float:
 def loss_spec(actor_config, temperature: float) -> LossSpec:
     """Arctic RL's GRPO loss with the settings of verl's policy loss (`LOSS_MODES`)."""
     mode = actor_config.policy_loss.loss_mode
-    if mode not in LOSS_MODES:
+    if mode not in LOSS_MODES and mode != "geo_mean":
         raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: arctic_rl serves "
-                         f"{', '.join(LOSS_MODES)}")
+                         f"{', '.join(LOSS_MODES)}, geo_mean")
     agg = AGGREGATION.get(actor_config.loss_agg_mode)
     if agg is None:
         raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={actor_config.loss_agg_mode!r} is not supported; "
                          f"use one of {', '.join(AGGREGATION)}")
     low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
     high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
+    post = [{"name": "apply_temperature", "config": {"temperature": temperature}}] if temperature != 1.0 else []
+    if mode == "geo_mean":
+        # GMPO is its own sequence-level objective: verl adds its entropy and KL terms token by token to it, which
+        # the `gmpo` loss does not carry.
+        if actor_config.entropy_coeff or actor_config.use_kl_loss:
+            raise ValueError("actor_rollout_ref.actor.policy_loss.loss_mode='geo_mean' with entropy_coeff or "
+                             "use_kl_loss: arctic_rl serves GMPO alone")
+        return LossSpec(name="gmpo", config={"eps_clip": low, "eps_clip_higher": high}, post=post)
     config = {"eps_clip": low, "eps_clip_higher": high, "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff,
               **LOSS_MODES[mode](actor_config, low, high)}
     if actor_config.use_kl_loss:
@@ -105,5 +113,4 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
             raise ValueError(f"actor_rollout_ref.actor.kl_loss_type={actor_config.kl_loss_type!r} is not supported; use "
                              f"one of {', '.join(KL_TYPES)}")
         config.update(kl_loss_coef=actor_config.kl_loss_coef, kl_loss_type=kind)
-    post = [{"name": "apply_temperature", "config": {"temperature": temperature}}] if temperature != 1.0 else []
     return LossSpec(name="grpo", config=config, post=post)
