@@ -100,12 +100,6 @@ class ArcticDispatch:
     def mark_all_offloaded(self) -> None:
         pass
 
-    def mark_as_offloaded(self, model: str) -> None:
-        pass
-
-    def offload_for_sampling(self) -> None:
-        pass
-
     def empty_cache(self, model: str | None = None) -> None:
         pass
 
@@ -226,13 +220,6 @@ class ArcticDispatch:
         grad_norm = self.client.step(self.schedule.get_last_lr()[0]).grad_norm
         _advance(self.schedule)
         return grad_norm
-
-    def set_lr(self, model: str, learning_rate: float, model_id=None) -> None:
-        self._policy(model)
-        for group in self.schedule.optimizer.param_groups:
-            group["lr"] = learning_rate
-        self.schedule.base_lrs = [learning_rate]
-        self.schedule._last_lr = [learning_rate]
 
     # -- weights and checkpoints stay in the backend ---------------------------------------------------------
 

@@ -10,6 +10,9 @@ returns the log-probs (and entropy) of its own forward, and verl's own loss func
 evaluated on them (no gradient), so the metrics verl reports (`actor/pg_loss`,
 `actor/pg_clipfrac`, `actor/ppo_kl`, ...) are verl's, from one forward per update;
 `arctic/loss` is the backend's own value for the same loss, for comparison.
+
+verl's reference worker builds this engine `forward_only`: it then scores with the job's frozen
+reference model (`log_probs(source="reference")`) for verl's KL terms, and never trains.
 """
 
 from __future__ import annotations
