@@ -279,3 +279,17 @@ def test_gmpo_is_the_mean_over_sequences_of_minus_the_mean_advantage_times_the_g
     loss.backward()
     # Only unclipped tokens carry gradient: token 1 of sequence 0 (d/dlogp = -e^0.2 / 2 / 2).
     assert torch.allclose(logp.grad, torch.tensor([0.0, -math.exp(0.2) / 4, 0.0]), atol=1e-6)
+
+
+def test_sapo_gates_the_ratio_softly_by_the_advantages_sign():
+    # r = 2 with A = 1 (tau 1): -sigmoid(1) * 4; r = 0.5 with A = -1 (tau 2): sigmoid(-1) * 2. Token mean.
+    loss, metrics, grad = ratios_setup([2.0, 0.5], [1.0, -1.0], sapo_tau_pos=1.0, sapo_tau_neg=2.0)
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert loss == pytest.approx((-sig(1.0) * 4 + sig(-1.0) * 2) / 2, rel=1e-6)
+    # d/dlogp = -A * sigmoid'(tau (r - 1)) * tau * r * 4 / tau, halved by the token mean.
+    expected = [-1 * sig(1) * (1 - sig(1)) * 2 * 4 / 2, 1 * sig(-1) * (1 - sig(-1)) * 0.5 * 4 / 2]
+    assert torch.allclose(grad, torch.tensor(expected), atol=1e-6)
+    with pytest.raises(ValueError, match="both"):
+        GRPOConfig(sapo_tau_pos=1.0)
+    with pytest.raises(ValueError, match="soft gate"):
+        GRPOConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.0, c_clip=3.0)

@@ -11,6 +11,7 @@ Per response token (logp: current policy, old: behaviour policy, A: advantage):
   pg     = max(-A r, -A clip(r, 1 - eps_clip, 1 + eps_clip_higher))      (PPO, clip-higher)
   pg     = min(pg, -A c_clip)   where A < 0                               (dual clip)
   pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead; bounds 1, 1: GPG's -A logp)
+  pg     = -sigmoid(tau (r - 1)) (4 / tau) A,  tau = sapo_tau_pos (A > 0) or sapo_tau_neg   (SAPO instead)
   pg    *= sg(exp(prox - old)), tokens with weight > behav_imp_weight_cap masked   (decoupled)
   M2PO:  mask the tokens with the largest (prox - old)^2 until the rest's mean < m2_threshold
   KL     k1: logp - ref;   k3 / low_var_kl: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]
@@ -52,6 +53,9 @@ class GRPOConfig(BaseModel):
     kl_loss_type: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coeff: float = 0.0
     use_cispo_loss: bool = False
+    sapo_tau_pos: float | None = Field(None, gt=0)
+    """SAPO instead of PPO's clip: a soft gate on the ratio, this sharp where A > 0 (and `sapo_tau_neg` elsewhere)."""
+    sapo_tau_neg: float | None = Field(None, gt=0)
     is_weight_clip_min: float = Field(0.0, ge=0)
     is_weight_clip_max: float = Field(5.0, gt=0)
     m2_threshold: float | None = Field(None, gt=0)
@@ -65,6 +69,11 @@ class GRPOConfig(BaseModel):
     def _consistent(self) -> "GRPOConfig":
         if self.is_weight_clip_min > self.is_weight_clip_max:
             raise ValueError("is_weight_clip_min must not be above is_weight_clip_max")
+        if (self.sapo_tau_pos is None) != (self.sapo_tau_neg is None):
+            raise ValueError("SAPO needs both sapo_tau_pos and sapo_tau_neg")
+        if self.sapo_tau_pos is not None and (self.use_cispo_loss or self.c_clip is not None
+                                              or self.importance_ratio == "sequence"):
+            raise ValueError("SAPO's soft gate replaces PPO's clip: not with use_cispo_loss, c_clip or a sequence ratio")
         if self.importance_ratio == "sequence" and (self.use_cispo_loss or self.use_decoupled_loss):
             raise ValueError("importance_ratio 'sequence' (GSPO) is PPO's clip on a sequence ratio: not with "
                              "use_cispo_loss or use_decoupled_loss")
@@ -155,6 +164,12 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
         r = ratio.detach()
         clipped = ((r < config.is_weight_clip_min) | (r > config.is_weight_clip_max)).to(logp.dtype)
         dual_clipped = zero
+    elif config.sapo_tau_pos is not None:
+        # The gate on a ratio whose log is clamped to +-20, as SAPO's implementations clamp it.
+        r = torch.exp((logp - prox).clamp(-20.0, 20.0))
+        tau = torch.where(adv > 0, torch.full_like(adv, config.sapo_tau_pos), torch.full_like(adv, config.sapo_tau_neg))
+        pg = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * adv
+        clipped = dual_clipped = zero
     else:
         unclipped = -adv * ratio
         clipped_loss = -adv * ratio.clamp(1 - config.eps_clip, 1 + eps_high)

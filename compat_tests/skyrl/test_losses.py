@@ -91,7 +91,7 @@ def arctic_loss(cfg, logp, old, scaled, loss_mask, entropy, reference) -> torch.
     return loss
 
 
-@pytest.mark.parametrize("policy_loss", ["regular", "dual_clip", "cispo", "gspo"])
+@pytest.mark.parametrize("policy_loss", ["regular", "dual_clip", "cispo", "gspo", "sapo"])
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean",
                                        "token_mean_legacy"])
 @pytest.mark.parametrize("terms", ["policy", "entropy", "kl-k3", "kl-k1"])
@@ -103,7 +103,8 @@ def test_loss_and_gradient_equal_skyrls(policy_loss, reduction, terms):
                  f"trainer.algorithm.kl_estimator_type={terms[3:] if terms.startswith('kl') else 'k3'}",
                  "trainer.algorithm.eps_clip_low=0.1", "trainer.algorithm.eps_clip_high=0.15",
                  "trainer.algorithm.clip_ratio_c=1.5", "trainer.algorithm.cispo.cispo_eps_clip_low=0.3",
-                 "trainer.algorithm.cispo.cispo_eps_clip_high=0.2"]
+                 "trainer.algorithm.cispo.cispo_eps_clip_high=0.2", "trainer.algorithm.sapo.tau_pos=1.5",
+                 "trainer.algorithm.sapo.tau_neg=2.5"]
     cfg = skyrl_config(*overrides)
     check_algorithm(cfg)
     logp, old, advantages, loss_mask, entropy, reference = batch(seed=len(policy_loss) * 7 + len(reduction))
@@ -125,7 +126,7 @@ def test_clips_engage_in_this_batch():
 
 
 @pytest.mark.parametrize("override, key", [
-    ("trainer.algorithm.policy_loss_type=sapo", "policy_loss_type"),
+    ("trainer.algorithm.policy_loss_type=clip_cov", "policy_loss_type"),
     ("trainer.algorithm.kl_estimator_type=k2", "kl_estimator_type"),
     ("trainer.update_ref_every_epoch=true", "update_ref_every_epoch"),
     ("trainer.critic.model.path=/some/critic", "trainer.critic.model.path"),

@@ -93,7 +93,8 @@ def response_nested(rows: list[torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("loss_mode, agg", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean"),
                                             ("vanilla", "token-sum"), ("cispo", "token-mean"),
-                                            ("gpg", "seq-mean-token-sum"), ("geo_mean", "token-mean")])
+                                            ("gpg", "seq-mean-token-sum"), ("geo_mean", "token-mean"),
+                                            ("sapo", "token-mean")])
 def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client, loss_mode, agg):
     from transformers import AutoTokenizer
     from verl.workers.config import PolicyLossConfig
@@ -139,7 +140,7 @@ def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
         if key in verl_metrics:  # gpg reports no clip statistics: it has no clip
             assert value(key) == pytest.approx(as_float(verl_metrics[key]), rel=1e-5, abs=1e-7), key
-    if loss_mode != "gpg":
+    if loss_mode not in ("gpg", "sapo"):  # no clip to exercise: a plain gradient, a soft gate
         assert 0 < value("actor/pg_clipfrac") < 1  # the clip range was exercised
     # Arctic RL's GRPO loss (what the backend differentiated) equals verl's vanilla PPO loss.
     assert value("arctic/loss") == pytest.approx(float(verl_loss), rel=1e-5, abs=1e-7)
@@ -265,7 +266,7 @@ print(get_rollout_class("arctic_rl").__name__, RolloutReplicaRegistry.get("arcti
 
 @pytest.mark.parametrize("setting, refused", [
     ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_mode='seq-mean-token-sum-norm' is not supported"),
-    ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov': arctic_rl serves vanilla, gspo, cispo, gpg, geo_mean"),
+    ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov': arctic_rl serves vanilla, gspo, cispo, gpg, sapo, geo_mean"),
     ({"use_kl_loss": True, "kl_loss_type": "mse"}, "kl_loss_type='mse' is not supported"),
 ])
 def test_loss_settings_it_cannot_honour_stop_the_run_when_the_actor_config_is_built(setting, refused):

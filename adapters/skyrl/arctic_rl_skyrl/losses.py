@@ -15,7 +15,7 @@ from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.types import LossSpec
 
 ALGORITHM = "trainer.algorithm"
-SERVED_POLICY_LOSSES = ("regular", "dual_clip", "cispo", "gspo")
+SERVED_POLICY_LOSSES = ("regular", "dual_clip", "cispo", "gspo", "sapo")
 KL_ESTIMATORS = {"k1": "k1", "k3": "k3"}
 """SkyRL's `kl_estimator_type` -> the backend's `kl_loss_type` (the same formulas, k3 with the same clamp)."""
 
@@ -74,12 +74,14 @@ def entropy_aggregation(cfg) -> str | None:
 
 
 def loss_spec(cfg) -> LossSpec:
-    """The backend's loss for SkyRL's policy loss: PPO clip (clip-higher, dual clip; GSPO's sequence ratio) or CISPO,
-    summed over
-    SkyRL's scaled advantages, with SkyRL's entropy bonus, at SkyRL's training temperature."""
+    """The backend's loss for SkyRL's policy loss: PPO clip (clip-higher, dual clip; GSPO's sequence ratio), CISPO or
+    SAPO's soft gate, summed over SkyRL's scaled advantages, with SkyRL's entropy and KL terms, at SkyRL's training
+    temperature."""
     algorithm = cfg.trainer.algorithm
     config: dict = {"loss_agg_mode": "token-sum"}
-    if algorithm.policy_loss_type == "cispo":
+    if algorithm.policy_loss_type == "sapo":
+        config.update(sapo_tau_pos=algorithm.sapo.tau_pos, sapo_tau_neg=algorithm.sapo.tau_neg)
+    elif algorithm.policy_loss_type == "cispo":
         config.update(use_cispo_loss=True, is_weight_clip_min=max(0.0, 1 - algorithm.cispo.cispo_eps_clip_low),
                       is_weight_clip_max=1 + algorithm.cispo.cispo_eps_clip_high)
     else:

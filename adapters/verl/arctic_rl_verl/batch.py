@@ -14,13 +14,17 @@ from tensordict import TensorDict
 from arctic_rl_core.types import LossSpec, Sequence
 
 # verl's policy_loss.loss_mode -> the GRPO loss's settings beside the clip range (low, high): PPO's clip with dual clip,
-# PPO's clip on GSPO's sequence ratio, CISPO's clipped stopped weight, GPG's plain -A logp (a weight of exactly 1).
+# PPO's clip on GSPO's sequence ratio, CISPO's clipped stopped weight, GPG's plain -A logp (a weight of exactly 1),
+# SAPO's soft gate.
 LOSS_MODES = {
     "vanilla": lambda actor, low, high: {"c_clip": actor.clip_ratio_c},
     "gspo": lambda actor, low, high: {"importance_ratio": "sequence"},
     "cispo": lambda actor, low, high: {"use_cispo_loss": True, "is_weight_clip_min": max(0.0, 1 - low),
                                        "is_weight_clip_max": 1 + high},
     "gpg": lambda actor, low, high: {"use_cispo_loss": True, "is_weight_clip_min": 1.0, "is_weight_clip_max": 1.0},
+    # verl's SAPO aggregates its gated term per sequence whatever loss_agg_mode says (which its KL and entropy use).
+    "sapo": lambda actor, low, high: {"sapo_tau_pos": actor.tau_pos, "sapo_tau_neg": actor.tau_neg,
+                                      "loss_agg_mode": "seq-mean-token-mean"},
 }
 # verl's kl_loss_type -> Arctic RL's (the same formulas; k3 with the same clamps). Not the straight-through "+" kinds.
 KL_TYPES = {"kl": "k1", "k1": "k1", "low_var_kl": "low_var_kl", "k3": "k3"}
@@ -105,7 +109,7 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
                              "use_kl_loss: arctic_rl serves GMPO alone")
         return LossSpec(name="gmpo", config={"eps_clip": low, "eps_clip_higher": high}, post=post)
     config = {"eps_clip": low, "eps_clip_higher": high, "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff,
-              **LOSS_MODES[mode](actor_config, low, high)}
+              "entropy_agg_mode": agg, "kl_agg_mode": agg, **LOSS_MODES[mode](actor_config, low, high)}
     if actor_config.use_kl_loss:
         # Against the job's reference model (verl's ref worker on arctic_rl: log_probs(source="reference")).
         kind = KL_TYPES.get(actor_config.kl_loss_type)
