@@ -31,11 +31,16 @@ class Keys:
     framework: str
 
 
+def client_for(url: str, token_env: str, timeout_s: float, retries: int = 3) -> ArcticRLClient:
+    """A client for the server at `url`, with the bearer token from environment variable `token_env`."""
+    return ArcticRLClient(url, token=os.environ.get(token_env), timeout_s=timeout_s, retries=retries)
+
+
 def reach(url: str | None, token_env: str, timeout_s: float, keys: Keys, retries: int = 3) -> tuple[ArcticRLClient, dict]:
     """A client for the server at `url` (its bearer token from `$token_env`) and the server's status."""
     if not url:
         raise ArcticSetupError(f"{keys.url} is not set: give the address of an `arctic-rl serve`")
-    client = ArcticRLClient(url, token=os.environ.get(token_env), timeout_s=timeout_s, retries=retries)
+    client = client_for(url, token_env, timeout_s, retries)
     try:
         return client, client.status()
     except BackendUnavailable as err:

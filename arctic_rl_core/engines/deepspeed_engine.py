@@ -30,7 +30,7 @@ from arctic_rl_core.losses.registry import Registered
 from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
 from arctic_rl_core.models.head import output_head
-from arctic_rl_core.models.loading import load_causal_lm
+from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
 
 _CHECKPOINT_TAG = "state"
 
@@ -121,8 +121,7 @@ class DeepSpeedEngine(TrainingEngine):
         self.zorro_loaded = want_zorro or zorro_attention_possible(hf_config)
         self.max_context = hf_config.max_position_embeddings
         self.vocab_size = hf_config.vocab_size
-        pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
-        self.pad_token_id = int(pad[0] if isinstance(pad, list) else pad or 0)
+        self.pad_token_id = pad_token_id(hf_config)
 
         torch.manual_seed(ec.seed)
         ds_config = deepspeed_config(ec)

@@ -17,10 +17,10 @@ from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.response_logits import ResponseLogits, inputs_on_device, response_outputs
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.models.determinism import inference_behaviour
-from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 from arctic_rl_core.models.exactness import check_exactness, zorro_attention_possible
+from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 from arctic_rl_core.models.head import output_head
-from arctic_rl_core.models.loading import load_causal_lm
+from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
 from arctic_rl_core.types import MODEL_SHAPE_KEYS, model_shape
 
 
@@ -47,7 +47,7 @@ class ReferenceModel:
         self.model = ResponseLogits(model, model, output_head(hf_config), config.zorro.attention_backend).to(self.device)
         inference_behaviour(self.model)
         self.weights_fingerprint = checkpoint_fingerprint(self.model_path)
-        check_exactness(self.model, self.model, model, zorro=self.zorro_loaded, pad_id=_pad_id(hf_config),
+        check_exactness(self.model, self.model, model, zorro=self.zorro_loaded, pad_id=pad_token_id(hf_config),
                         vocab_size=hf_config.vocab_size, device=self.device, dtype=dtype)
 
     @torch.no_grad()
@@ -64,7 +64,3 @@ class ReferenceModel:
         return {"model_path": self.model_path, "weights_fingerprint": self.weights_fingerprint, "zorro": self.zorro_loaded,
                 "device": str(self.device)}
 
-
-def _pad_id(hf_config) -> int:
-    pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
-    return int(pad[0] if isinstance(pad, list) else pad or 0)

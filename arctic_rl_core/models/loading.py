@@ -39,3 +39,9 @@ def load_causal_lm(model_path: str, hf_config, dtype: torch.dtype, own_attention
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return model, zorro
+
+
+def pad_token_id(hf_config) -> int:
+    """The id the model pads with: its pad token, else its (first) EOS token, else 0."""
+    pad = hf_config.pad_token_id if hf_config.pad_token_id is not None else hf_config.eos_token_id
+    return int(pad[0] if isinstance(pad, list) else pad or 0)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from arctic_rl_core import attach
-from arctic_rl_core.attach import ArcticSetupError
+from arctic_rl_core.attach import ArcticSetupError, client_for
 from arctic_rl_core.client import ArcticRLClient
 
 URL_KEY = "actor_rollout_ref.actor.arctic.url"
@@ -13,11 +11,6 @@ OPTIM_KEY = "actor_rollout_ref.actor.optim"
 KEYS = attach.Keys(url=URL_KEY, model="actor_rollout_ref.model.path", optimizer=OPTIM_KEY, framework="verl")
 
 __all__ = ["ArcticSetupError", "URL_KEY", "client_for", "connect", "connect_reference"]
-
-
-def client_for(url: str, token_env: str, timeout_s: float, retries: int = 3) -> ArcticRLClient:
-    """A client for the server at `url`, with the bearer token from environment variable `token_env`."""
-    return ArcticRLClient(url, token=os.environ.get(token_env), timeout_s=timeout_s, retries=retries)
 
 
 def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
