@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test scenarios compat clean
+.PHONY: install demo test scenarios compat bench-verl clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ compat: install
 	compat_tests/verl/run.sh
 	compat_tests/primerl/run.sh
 	compat_tests/skyrl/run.sh
+
+# verl's phases through Arctic RL beside the backend's own calls (docs/benchmarks.md); not part of CI.
+bench-verl: install
+	compat_tests/verl/bench.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

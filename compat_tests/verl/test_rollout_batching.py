@@ -21,7 +21,7 @@ class RecordingClient:
     def __init__(self):
         self.calls: list[list[tuple[int, ...]]] = []
 
-    def generate(self, prompts, params):
+    async def generate(self, prompts, params):
         self.calls.append([tuple(p) for p in prompts])
         return [Completion(prompt_index=i, token_ids=[7, i], logprobs=[-0.5, -0.5], finish_reason="stop",
                            weight_version=0) for i in range(len(prompts))]
@@ -33,7 +33,7 @@ def server(monkeypatch):
 
     client = RecordingClient()
     monkeypatch.setattr(rollout.RolloutSettings, "from_rollout_config",
-                        staticmethod(lambda config: SimpleNamespace(client=lambda: client)))
+                        staticmethod(lambda config: SimpleNamespace(async_client=lambda: client)))
     return rollout.ArcticServer(SimpleNamespace(response_length=8, n=4), replica_rank=0), client
 
 
@@ -76,11 +76,11 @@ def test_a_prompt_the_backend_refuses_fails_alone_and_says_why(server):
     srv, client = server
     real = client.generate
 
-    def refuse_long(prompts, params):  # as the backend answers a prompt past its context
+    async def refuse_long(prompts, params):  # as the backend answers a prompt past its context
         for i, p in enumerate(prompts):
             if len(p) > 5:
                 raise InvalidRequest(f"prompts[{i}]", f"{len(p)} tokens + max_tokens 8 exceed the sampler's context 12")
-        return real(prompts, params)
+        return await real(prompts, params)
     client.generate = refuse_long
 
     async def main():

@@ -18,6 +18,7 @@ reference model (`log_probs(source="reference")`) for verl's KL terms, and never
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
@@ -27,6 +28,7 @@ from verl.utils.py_functional import append_to_dict
 from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from arctic_rl_core import checkpoint_handles
+from arctic_rl_verl import trace
 from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch
 from arctic_rl_verl.connect import ArcticSetupError, connect, connect_reference
 
@@ -120,10 +122,12 @@ class ArcticRLEngine(BaseEngine):
     # -- compute -----------------------------------------------------------------------------------------
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
+        started = time.perf_counter()
         sequences = sequences_from_batch(data)
         temperature = batch_temperature(data)
         with_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         update = loss_function is not None and not forward_only
+        call_started = time.perf_counter()
         if update:
             # One forward: fwd_bwd returns the log-probs it took gradients at, which verl's loss reads for its metrics.
             scored = result = self.client.fwd_bwd(sequences, loss_spec(loss_function.keywords["config"], temperature),
@@ -131,6 +135,7 @@ class ArcticRLEngine(BaseEngine):
         else:
             scored = self.client.log_probs(sequences, with_entropy=with_entropy, temperature=temperature,
                                            source="reference" if self.reference else "trainer")
+        call_s = time.perf_counter() - call_started
         model_output = {"log_probs": full_row_layout(scored.logprobs, data)}
         if with_entropy:
             model_output["entropy"] = full_row_layout(scored.entropy, data)
@@ -147,6 +152,8 @@ class ArcticRLEngine(BaseEngine):
             if update:
                 append_to_dict(metrics, {"arctic/loss": result.loss, "arctic/num_tokens": float(result.num_tokens),
                                          "arctic/groups": float(len({s.group_id for s in sequences}))})
+        trace.record("fwd_bwd" if update else "reference_log_probs" if self.reference else "log_probs",
+                     rows=len(sequences), adapter_s=time.perf_counter() - started, call_s=call_s)
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
     def optimizer_zero_grad(self):

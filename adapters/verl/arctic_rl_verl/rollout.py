@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -24,9 +26,10 @@ import ray
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_core.client import ArcticRLClient, AsyncArcticRLClient
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.types import SamplingParams
+from arctic_rl_verl import trace
 from arctic_rl_verl.connect import URL_KEY, ArcticSetupError, client_for
 
 logger = logging.getLogger(__name__)
@@ -57,6 +60,9 @@ class RolloutSettings:
 
     def client(self) -> ArcticRLClient:
         return client_for(self.url, self.token_env, self.timeout_s)
+
+    def async_client(self) -> AsyncArcticRLClient:
+        return AsyncArcticRLClient(self.url, token=os.environ.get(self.token_env), timeout_s=self.timeout_s)
 
 
 def _prompt_index(field: str) -> int | None:
@@ -91,7 +97,8 @@ class ArcticServer:
 
     def __init__(self, config, replica_rank: int):
         self.settings = RolloutSettings.from_rollout_config(config)
-        self.client = self.settings.client()
+        self._client: Optional[AsyncArcticRLClient] = None
+        """Made in the actor's event loop on first use (an asyncio client belongs to one loop)."""
         self.response_length = config.response_length
         self.replica_rank = replica_rank
         self._pending: dict[str, list[tuple[list[int], asyncio.Future, float]]] = {}
@@ -110,7 +117,7 @@ class ArcticServer:
             raise ValueError("arctic_rl serves text-only rollouts")
         params = to_sampling_params(dict(sampling_params), self.response_length)
         future = asyncio.get_running_loop().create_future()
-        arrived = asyncio.get_running_loop().time()
+        arrived = time.time()
         self._pending.setdefault(params.model_dump_json(), []).append((list(prompt_ids), future, arrived))
         self._arrivals += 1
         if self._flush is None:
@@ -121,14 +128,13 @@ class ArcticServer:
                                          "arctic_weight_version": completion.weight_version})
 
     async def _send_batches(self):
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.time()
         while True:  # until no request arrived for a window (or requests never stop coming)
             seen = self._arrivals
             await asyncio.sleep(BATCH_WINDOW_S)
-            if self._arrivals == seen or loop.time() - started >= MAX_BATCH_WAIT_S:
+            if self._arrivals == seen or time.time() - started >= MAX_BATCH_WAIT_S:
                 break
-        now = loop.time()
+        now = time.time()
         pending, self._pending, self._flush = self._pending, {}, None
         ready: dict[str, list] = {}
         for key, requests in pending.items():
@@ -142,12 +148,19 @@ class ArcticServer:
         for key, requests in ready.items():
             await self._generate(requests, SamplingParams.model_validate_json(key))
 
+    @property
+    def client(self) -> AsyncArcticRLClient:
+        if self._client is None:
+            self._client = self.settings.async_client()
+        return self._client
+
     async def _generate(self, requests: list, params: SamplingParams) -> None:
         """One `generate` call for `requests`. A prompt the backend refuses (longer than its context, say) fails
         alone, with the backend's reason, and the others are sent again without it."""
         while requests:
+            call_start = time.time()
             try:
-                completions = await asyncio.to_thread(self.client.generate, [p for p, _, _ in requests], params)
+                completions = await self.client.generate([p for p, _, _ in requests], params)
             except InvalidRequest as err:
                 bad = _prompt_index(err.field)
                 if bad is not None and bad < len(requests):
@@ -161,8 +174,12 @@ class ArcticServer:
                 for _, future, _ in requests:
                     future.set_exception(err)
                 return
+            call_end = time.time()
             for completion in completions:
                 requests[completion.prompt_index][1].set_result(completion)
+            trace.record("generate", global_steps=self.global_steps, requests=len(requests),
+                         first_arrival=min(arrived for _, _, arrived in requests), call_start=call_start,
+                         call_end=call_end, answered=time.time())
             return
 
     async def set_global_steps(self, global_steps: int):
