@@ -20,6 +20,7 @@ from arctic_rl_core.types import (
     SamplingParams,
     Sequence,
     StepResult,
+    ValuesResult,
 )
 
 
@@ -50,18 +51,23 @@ class TrainingAPI(ABC):
         for KL terms; `reference.enable`), or under the sampler's last synced ones (`source="sampler"`)."""
 
     @abstractmethod
+    def values(self, sequences: list[Sequence]) -> ValuesResult:
+        """The critic's value of each response token's state (`critic.enable`), under its current weights."""
+
+    @abstractmethod
     def fwd_bwd(self, sequences: list[Sequence], loss: LossSpec, *, return_logprobs: bool = False,
-                with_entropy: bool = False) -> FwdBwdResult:
-        """Forward and backward; gradients add up over calls until `step`. With `return_logprobs`, the
-        response tokens' log-probs (and entropy) of the same forward come back too."""
+                with_entropy: bool = False, model: str = "policy") -> FwdBwdResult:
+        """Forward and backward of `model` ("policy", or "critic" with a critic's loss such as "value");
+        gradients add up over calls until that model's `step`. With `return_logprobs` (policy), the response
+        tokens' log-probs (and entropy) of the same forward come back too."""
 
     @abstractmethod
-    def discard_gradients(self) -> None:
-        """Drop the gradients accumulated since the last step (a failed `fwd_bwd` already leaves none of its own)."""
+    def discard_gradients(self, *, model: str = "policy") -> None:
+        """Drop `model`'s gradients accumulated since its last step (a failed `fwd_bwd` already leaves none of its own)."""
 
     @abstractmethod
-    def step(self, learning_rate: float | None = None) -> StepResult:
-        """Apply the accumulated gradients with the optimizer."""
+    def step(self, learning_rate: float | None = None, *, model: str = "policy") -> StepResult:
+        """Apply `model`'s accumulated gradients with its optimizer."""
 
     @abstractmethod
     def sync_weights(self) -> int:

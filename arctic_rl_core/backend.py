@@ -6,6 +6,7 @@ request leaves weights, optimizer state and accumulated gradients as they were.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import threading
@@ -36,12 +37,17 @@ from arctic_rl_core.types import (
     MAX_TEMPERATURE,
     MIN_TEMPERATURE,
     StepResult,
+    ValuesResult,
     model_shape,
     token_list,
 )
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 from arctic_rl_core.trajectories import TrajectoryStore
+
+
+CRITIC_DIR = "critic"
+"""Where a checkpoint of a job with a critic holds the critic's state."""
 
 
 class SharedLock:
@@ -79,18 +85,21 @@ class SharedLock:
                 self._state.notify_all()
 
 
-def _per_sequence(count: int, micro_batches, outputs, with_entropy: bool):
-    """Per-token outputs of micro-batches, per sequence in the caller's order: (log-probs, entropy or None)."""
-    logprobs: list[list[float]] = [[] for _ in range(count)]
-    entropy: list[list[float]] = [[] for _ in range(count)]
+def _split(count: int, micro_batches, outputs, key: str) -> list[list[float]]:
+    """Per-token output `key` of micro-batches, per sequence in the caller's order."""
+    rows: list[list[float]] = [[] for _ in range(count)]
     for mb, out in zip(micro_batches, outputs):
         offset = 0
         for seq_id, length in zip(mb.sequence_ids, mb.response_lengths):
-            logprobs[seq_id] = out["logprobs"][offset : offset + length].tolist()
-            if with_entropy:
-                entropy[seq_id] = out["entropy"][offset : offset + length].tolist()
+            rows[seq_id] = out[key][offset : offset + length].tolist()
             offset += length
-    return logprobs, entropy if with_entropy else None
+    return rows
+
+
+def _per_sequence(count: int, micro_batches, outputs, with_entropy: bool):
+    """Per-token outputs of micro-batches, per sequence in the caller's order: (log-probs, entropy or None)."""
+    return (_split(count, micro_batches, outputs, "logprobs"),
+            _split(count, micro_batches, outputs, "entropy") if with_entropy else None)
 
 
 def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
@@ -127,6 +136,18 @@ class InProcessBackend(TrainingAPI):
                 self.close()
                 raise
         self._reference_lock = threading.Lock()
+        self.critic = None
+        if self.config.critic.enable:
+            from arctic_rl_core.engines.critic import CriticEngine
+
+            try:
+                self.critic = CriticEngine(self.config)
+            except BaseException:
+                self.close()
+                raise
+        self._critic_lock = threading.Lock()
+        """Held by every call on the critic (it has no sampler, and trains apart from the policy)."""
+        self._critic_accumulated: list[tuple] = []
         self._weight_version = 0
         self._synced_step = 0
         """Optimizer step count of the weights the sampler holds."""
@@ -278,32 +299,52 @@ class InProcessBackend(TrainingAPI):
                 outputs = self.reference.forward(micro, post, with_entropy)
             logprobs, entropy = _per_sequence(len(seqs), [mb for mb, _ in outputs], [out for _, out in outputs], with_entropy)
             return LogProbsResult(logprobs=logprobs, entropy=entropy, weight_version=self._weight_version)
-        # Lock order everywhere: train, weights, sampler.
+        # Lock order everywhere: train, critic, weights, sampler.
         with (nullcontext() if self.engine.concurrent_forward else self._train_lock), self._weights_lock:
             outputs = self.engine.forward(micro, post, with_entropy)
         logprobs, entropy = _per_sequence(len(seqs), [mb for mb, _ in outputs], [out for _, out in outputs], with_entropy)
         return LogProbsResult(logprobs=logprobs, entropy=entropy, weight_version=self._weight_version)
 
+    def _critic_engine(self, field: str):
+        if self.critic is None:
+            raise InvalidRequest(field, "this job has no critic: start it with critic.enable")
+        return self.critic
+
+    def values(self, sequences) -> ValuesResult:
+        seqs = self._validated(sequences)
+        critic = self._critic_engine("values")
+        micro = self._micro_batches(seqs)
+        with self._critic_lock:
+            outputs = critic.forward(micro, [], False)
+        return ValuesResult(values=_split(len(seqs), [mb for mb, _ in outputs], [out for _, out in outputs], "values"))
+
     def fwd_bwd(self, sequences, loss: LossSpec | dict | str, *, return_logprobs: bool = False,
-                with_entropy: bool = False) -> FwdBwdResult:
+                with_entropy: bool = False, model: str = "policy") -> FwdBwdResult:
+        if model not in ("policy", "critic"):
+            raise InvalidRequest("model", f"must be 'policy' or 'critic', got {model!r}")
         if with_entropy and not return_logprobs:
             raise InvalidRequest("with_entropy", "entropy is returned with the log-probs: set return_logprobs too")
+        if model == "critic" and return_logprobs:
+            raise InvalidRequest("return_logprobs", "the critic has no log-probs")
         spec = parse(LossSpec, loss, "loss")
         entry = self.plugins.losses.get(spec.name, "loss.name")
+        if entry.model != model:
+            raise InvalidRequest("loss.name", f"loss {spec.name!r} trains the {entry.model}, not the {model}")
         loss_config = entry.parse_config(spec.config, "loss.config")
         post = self._post_chain(spec.post)
+        if model == "critic" and post:
+            raise InvalidRequest("loss.post", "the critic's values take no post-processors")
         seqs = self._validated(sequences)
         require_fields(seqs, entry.required_fields(loss_config), f"loss {spec.name!r}")
+        engine = self._critic_engine("model") if model == "critic" else self.engine
         micro = self._micro_batches(seqs)
         call = (micro, entry, loss_config, post)
-        with self._train_lock, self._sampler_asleep():
-            try:
-                value, metrics, kept = self.engine.forward_backward(*call, keep_outputs=return_logprobs,
-                                                                    with_entropy=with_entropy)
-            except BaseException:
-                self._restore_gradients()
-                raise
-            self._accumulated.append(call)
+        if model == "critic":
+            with self._critic_lock:
+                value, metrics, _ = self._accumulate(engine, self._critic_accumulated, call, False, False)
+        else:
+            with self._train_lock, self._sampler_asleep():
+                value, metrics, kept = self._accumulate(engine, self._accumulated, call, return_logprobs, with_entropy)
         logprobs, entropy = _per_sequence(len(seqs), micro, kept, with_entropy) if return_logprobs else (None, None)
         return FwdBwdResult(
             loss=value,
@@ -316,23 +357,49 @@ class InProcessBackend(TrainingAPI):
             entropy=entropy,
         )
 
-    def _restore_gradients(self) -> None:
-        """fwd_bwd is all-or-nothing: drop what a failed call accumulated by rebuilding the gradients
-        of the calls before it (the same deterministic computation, in the same order)."""
-        self.engine.discard_gradients()
-        for call in self._accumulated:
-            self.engine.forward_backward(*call)
+    @staticmethod
+    def _accumulate(engine, accumulated: list[tuple], call: tuple, keep_outputs: bool, with_entropy: bool):
+        """One fwd_bwd on `engine`, all or nothing: a failure rebuilds the gradients of the calls before it
+        (the same deterministic computation, in the same order)."""
+        try:
+            result = engine.forward_backward(*call, keep_outputs=keep_outputs, with_entropy=with_entropy)
+        except BaseException:
+            engine.discard_gradients()
+            for earlier in accumulated:
+                engine.forward_backward(*earlier)
+            raise
+        accumulated.append(call)
+        return result
 
-    def discard_gradients(self) -> None:
+    def discard_gradients(self, *, model: str = "policy") -> None:
+        if model == "critic":
+            critic = self._critic_engine("model")
+            with self._critic_lock:
+                critic.discard_gradients()
+                self._critic_accumulated.clear()
+            return
+        if model != "policy":
+            raise InvalidRequest("model", f"must be 'policy' or 'critic', got {model!r}")
         with self._train_lock:
             self.engine.discard_gradients()
             self._accumulated.clear()
 
-    def step(self, learning_rate: float | None = None) -> StepResult:
+    def step(self, learning_rate: float | None = None, *, model: str = "policy") -> StepResult:
         if learning_rate is not None and not (
                 isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
                 and 0 <= learning_rate <= MAX_LEARNING_RATE):
             raise InvalidRequest("learning_rate", f"must be in [0, {MAX_LEARNING_RATE}], got {learning_rate!r}")
+        if model == "critic":
+            critic = self._critic_engine("model")
+            with self._critic_lock:
+                if not critic.has_gradients:
+                    raise InvalidRequest("step", "no critic gradients accumulated since its last step; call fwd_bwd "
+                                                 "with model='critic' first")
+                grad_norm, lr = critic.optimizer_step(learning_rate)
+                self._critic_accumulated.clear()
+            return StepResult(step=critic.steps, grad_norm=grad_norm, learning_rate=lr)
+        if model != "policy":
+            raise InvalidRequest("model", f"must be 'policy' or 'critic', got {model!r}")
         with self._train_lock:
             if not self.engine.has_gradients:
                 raise InvalidRequest("step", "no gradients accumulated since the last step; call fwd_bwd first")
@@ -352,17 +419,24 @@ class InProcessBackend(TrainingAPI):
     def save_checkpoint(self, path: str) -> CheckpointInfo:
         if not isinstance(path, str) or not path:
             raise InvalidRequest("path", "must be a directory path")
-        with self._train_lock:
-            if self.engine.has_gradients:
+        with self._train_lock, self._critic_lock:
+            if self.engine.has_gradients or self.critic is not None and self.critic.has_gradients:
                 raise InvalidRequest("path", "gradients are accumulated but not stepped; call step before saving")
             self.engine.save(path, {"weight_version": self._weight_version, "synced_step": self._synced_step})
+            if self.critic is not None:
+                self.critic.save(os.path.join(path, CRITIC_DIR), {})
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
     def load_checkpoint(self, path: str) -> CheckpointInfo:
         if not isinstance(path, str) or not path:
             raise InvalidRequest("path", "must be a directory path")
-        with self._train_lock, self._weights_lock, self._sampler_lock:
+        with self._train_lock, self._critic_lock, self._weights_lock, self._sampler_lock:
+            if self.critic is not None and not os.path.isdir(os.path.join(path, CRITIC_DIR)):
+                raise InvalidRequest("path", f"{path!r} holds no critic ({CRITIC_DIR}/): saved by a job without one")
             state = self.engine.load(path)
+            if self.critic is not None:
+                self.critic.load(os.path.join(path, CRITIC_DIR))
+                self._critic_accumulated.clear()
             self._accumulated.clear()
             # Weights stepped after the checkpoint's last sync were never published: they get a new version.
             unpublished = self.engine.steps != int(state.get("synced_step", self.engine.steps))
@@ -410,6 +484,7 @@ class InProcessBackend(TrainingAPI):
             "trainer": getattr(self.engine, "placement",
                                [{"rank": 0, "node": "driver", "pid": os.getpid(), "healthy": True}]),
             "reference": None if self.reference is None else self.reference.describe(),
+            "critic": None if self.critic is None else self.critic.describe(),
             "sampler": (self.sampler.describe() if hasattr(self.sampler, "describe") else
                         [{"replica": 0, "node": "driver", "pid": os.getpid(), "healthy": True,
                           "weight_version": self._weight_version}]),
@@ -417,7 +492,9 @@ class InProcessBackend(TrainingAPI):
 
     def state_digest(self) -> str:
         """Hash of all weights and optimizer state (for tests and for checking that a request changed nothing)."""
-        with self._train_lock, self._weights_lock:
-            return self.engine.state_digest()
+        with self._train_lock, self._critic_lock, self._weights_lock:
+            if self.critic is None:
+                return self.engine.state_digest()
+            return hashlib.sha256(f"{self.engine.state_digest()}{self.critic.state_digest()}".encode()).hexdigest()
 
 

@@ -24,7 +24,7 @@ from arctic_rl_core.types import Sequence, joined
 from arctic_rl_core.zorro.forest import pack_forest, plan_forest_micro_batches
 from arctic_rl_kernels.layout import ForestLayout
 
-_OPTIONAL_TOKEN_FIELDS = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs")
+_OPTIONAL_TOKEN_FIELDS = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "returns", "old_values")
 
 
 def validate_sequences(sequences: list[Sequence], *, max_context: int, vocab_size: int, field: str = "sequences") -> None:

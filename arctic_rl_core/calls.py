@@ -25,8 +25,11 @@ from arctic_rl_core.types import (
     GenerateRequest,
     LogProbsRequest,
     LogProbsResult,
+    RoleRequest,
     StepRequest,
     StepResult,
+    ValuesRequest,
+    ValuesResult,
 )
 
 API_PREFIX = "/v1"
@@ -98,8 +101,9 @@ CALLS: dict[str, Call] = {
         Call("generate", GenerateRequest, GenerateResponse, ordered=False, returns="completions"),
         Call("episode", EpisodeRequest, Episode, ordered=False),
         Call("log_probs", LogProbsRequest, LogProbsResult, ordered=False),
+        Call("values", ValuesRequest, ValuesResult, ordered=False),
         Call("fwd_bwd", FwdBwdRequest, FwdBwdResult, ordered=True),
-        Call("discard_gradients", Empty, Empty, ordered=True),
+        Call("discard_gradients", RoleRequest, Empty, ordered=True),
         Call("step", StepRequest, StepResult, ordered=True),
         Call("sync_weights", Empty, WeightVersionResponse, ordered=True, returns="weight_version"),
         Call("save_checkpoint", CheckpointRequest, CheckpointInfo, ordered=True),

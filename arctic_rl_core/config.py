@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ValidationError, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from arctic_rl_core.types import MAX_LEARNING_RATE
 
@@ -90,6 +90,28 @@ class ReferenceConfig(_Config):
     """Defaults to the engine's dtype."""
 
 
+class CriticConfig(_Config):
+    """A trainable critic for value-based advantages (PPO with GAE): the causal LM's decoder with a linear value
+    head on its last hidden state, trained by `fwd_bwd(..., model="critic")` with its own optimizer."""
+
+    enable: bool = False
+    model_path: str | None = None
+    """The decoder's weights; defaults to the job's `model_path`. The value head starts at zero."""
+    engine: dict[str, Any] = Field(default_factory=dict)
+    """The critic's engine settings over the job's `engine` (e.g. its own `learning_rate`, `zero_stage`)."""
+
+    def engine_config(self, policy: EngineConfig) -> EngineConfig:
+        try:
+            merged = EngineConfig.model_validate({**policy.model_dump(), **self.engine})
+        except ValidationError as err:
+            first = err.errors()[0]
+            raise ValueError(f"critic.engine.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        if merged.lora is not None or merged.ranks > 1:
+            raise ValueError("critic.engine: the critic trains all its parameters in the backend's process "
+                             "(no lora, ranks 1)")
+        return merged
+
+
 class SamplerConfig(_Config):
     name: str = "vllm"
     """`vllm`; or `transformers` (HF generate on a copy of the weights: light, slow, no prefix caching)."""
@@ -148,4 +170,15 @@ class BackendConfig(_Config):
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
     zorro: ZorroConfig = Field(default_factory=ZorroConfig)
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     ray: RaySettings = Field(default_factory=RaySettings)
+
+    @field_validator("critic")
+    @classmethod
+    def _critic_beside_one_rank(cls, critic: CriticConfig, info: ValidationInfo):
+        engine = info.data.get("engine")
+        if critic.enable and engine is not None:
+            if engine.ranks > 1:
+                raise ValueError("a critic runs beside a one-rank policy engine (engine.ranks 1)")
+            critic.engine_config(engine)
+        return critic

@@ -92,10 +92,15 @@ class Sequence(_Strict):
     proximal_logprobs: TokenFloats | None = None
     """Recomputed proximal-policy log-probs for decoupled (off-policy) losses."""
     ref_logprobs: TokenFloats | None = None
+    returns: TokenFloats | None = None
+    """The critic's regression targets (e.g. GAE's advantages + values), for the `value` loss."""
+    old_values: TokenFloats | None = None
+    """The critic's values when the batch was scored, the centre of the `value` loss's clip."""
     loss_mask: TokenFloats | None = None
     """1 to train on a response token, 0 to ignore it. Default: all ones."""
 
-    PER_TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "loss_mask")
+    PER_TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs",
+                                                   "returns", "old_values", "loss_mask")
 
     def check(self, where: str) -> None:
         """Raise `InvalidRequest` naming the field if this sequence is inconsistent."""
@@ -143,12 +148,30 @@ class LossSpec(_Strict):
         return {"name": value} if isinstance(value, str) else value
 
 
+Role = Literal["policy", "critic"]
+"""The trainable models of a job: the policy, and the critic (`critic.enable`) for value-based advantages."""
+
+
 class FwdBwdRequest(_Strict):
     sequences: list[Sequence]
     loss: LossSpec
     return_logprobs: bool = False
     """Return each response token's log-prob from the same forward (a framework's metrics need no second one)."""
     with_entropy: bool = False
+    model: Role = "policy"
+
+
+class ValuesRequest(_Strict):
+    sequences: list[Sequence]
+
+
+class ValuesResult(_Strict):
+    values: list[list[float]]
+    """Per sequence, the critic's value of each response token's state (the sequence up to that token)."""
+
+
+class RoleRequest(_Strict):
+    model: Role = "policy"
 
 
 class FwdBwdResult(_Strict):
@@ -169,6 +192,7 @@ class FwdBwdResult(_Strict):
 class StepRequest(_Strict):
     learning_rate: float | None = Field(default=None, ge=0, le=MAX_LEARNING_RATE)
     """0 is a step that moves no weight but advances the optimizer's state (a warm-up schedule's first step)."""
+    model: Role = "policy"
 
 
 class StepResult(_Strict):

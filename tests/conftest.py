@@ -55,10 +55,11 @@ def make_api(request, tiny_model, tmp_path):
 
     servers = []
 
-    def make(zorro=True, reference=None, **engine):
+    def make(zorro=True, reference=None, critic=None, **engine):
         engine.setdefault("learning_rate", 1e-3)
         config = BackendConfig.model_validate({"model_path": tiny_model, "engine": engine, "zorro": {"enable": zorro},
-                                               "sampler": LIGHT_SAMPLER, "reference": reference or {}})
+                                               "sampler": LIGHT_SAMPLER, "reference": reference or {},
+                                               "critic": critic or {}})
         if request.param == "inprocess":
             return InProcessBackend(config)
         server = ServerThread(ServerSettings(port=free_loopback_port(), checkpoint_dir=str(tmp_path)), config)

@@ -147,24 +147,16 @@ class DeepSpeedEngine(TrainingEngine):
             )
         self._lora = ec.lora is not None
         self._causal_lm = model.get_base_model() if self._lora else model
-        params = [p for p in model.parameters() if p.requires_grad]
+        wrapper = self._wrap(model, hf_config, config)
+        params = [p for p in wrapper.parameters() if p.requires_grad]
         optimizer = None
         if "optimizer" not in ds_config:
             optimizer = torch.optim.AdamW(params, lr=ec.learning_rate, betas=ec.betas, eps=ec.eps, weight_decay=ec.weight_decay)
-        wrapper = ResponseLogits(model, self._causal_lm, output_head(hf_config), config.zorro.attention_backend)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=wrapper, optimizer=optimizer, model_parameters=params, config=ds_config
         )
         inference_behaviour(self.engine.module)
-        probe = dict(pad_id=self.pad_token_id, vocab_size=self.vocab_size, device=self.device, dtype=getattr(torch, ec.dtype))
-        try:
-            check_exactness(self.engine, wrapper, self._causal_lm, zorro=self.zorro_loaded, **probe)
-        except InvalidRequest as err:
-            if want_zorro or not self.zorro_loaded or err.field != "zorro.enable":
-                raise
-            self._causal_lm.set_attn_implementation(ec.attn_implementation)  # possible: zorro_attention_possible
-            self.zorro_loaded = False
-            check_exactness(self.engine, wrapper, self._causal_lm, zorro=False, **probe)
+        self._check_exactness(wrapper, want_zorro)
         # DeepSpeed's own loader unpickles with weights_only=False; ours reads data only.
         self.engine.checkpoint_engine = SafeCheckpointEngine(self.engine._config)
         self.engine.set_gradient_accumulation_boundary(False)
@@ -175,7 +167,28 @@ class DeepSpeedEngine(TrainingEngine):
         for _, param in self._trainable:
             param.register_hook(_finite_flag_into(self._grad_finite))
 
+    def _wrap(self, model: torch.nn.Module, hf_config, config: BackendConfig) -> torch.nn.Module:
+        """The module DeepSpeed trains: the policy's logits (log-probs) at the response rows."""
+        return ResponseLogits(model, self._causal_lm, output_head(hf_config), config.zorro.attention_backend)
+
+    def _check_exactness(self, wrapper: torch.nn.Module, want_zorro: bool) -> None:
+        """The log-probs are the model's own, packed or not, or the job does not load; without zorro.enable, a
+        family whose packed forward is not exact falls back to its own attention."""
+        probe = dict(pad_id=self.pad_token_id, vocab_size=self.vocab_size, device=self.device,
+                     dtype=getattr(torch, self.config.dtype))
+        try:
+            check_exactness(self.engine, wrapper, self._causal_lm, zorro=self.zorro_loaded, **probe)
+        except InvalidRequest as err:
+            if want_zorro or not self.zorro_loaded or err.field != "zorro.enable":
+                raise
+            self._causal_lm.set_attn_implementation(self.config.attn_implementation)  # possible: zorro_attention_possible
+            self.zorro_loaded = False
+            check_exactness(self.engine, wrapper, self._causal_lm, zorro=False, **probe)
+
     # -- forward ---------------------------------------------------------------------------------
+
+    output_keys: tuple[str, ...] = ("logprobs", "entropy")
+    """The per-token outputs `forward` returns and `forward_backward` keeps."""
 
     def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
         return response_outputs(self.engine, mb, post, with_entropy, self.device)
@@ -193,7 +206,7 @@ class DeepSpeedEngine(TrainingEngine):
             outputs = self._outputs(mb, post, with_entropy)
             value, mb_metrics = loss.fn(outputs, mb.inputs, loss_config)
             if kept is not None:
-                kept.append({k: v.detach().float().cpu() for k, v in outputs.items() if k in ("logprobs", "entropy")})
+                kept.append({k: v.detach().float().cpu() for k, v in outputs.items() if k in self.output_keys})
             if value.dim() != 0:
                 raise ArcticRLError(f"loss {loss.name!r} returned shape {tuple(value.shape)}, expected a scalar")
             if failure is None and not torch.isfinite(value):
@@ -224,7 +237,7 @@ class DeepSpeedEngine(TrainingEngine):
         for mb in micro_batches:
             mb.inputs = inputs_on_device(mb.inputs, self.device)
             out = self._outputs(mb, post, with_entropy)
-            results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in ("logprobs", "entropy")}))
+            results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in self.output_keys}))
         return results
 
     # -- optimizer -------------------------------------------------------------------------------

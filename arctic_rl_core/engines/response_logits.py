@@ -41,21 +41,8 @@ class ResponseLogits(torch.nn.Module):
                 targets: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False):
         """Logits [rows, vocab]; or, given `targets`, {"logprobs", "entropy"?} at `temperature`, chunk by chunk."""
         lm = self._causal_lm[0]
-        decoder = _decoder(lm)
-        if zorro_layout is not None:
-            from arctic_rl_core.zorro.attention import expect_layout
-
-            with expect_layout(zorro_layout) as delivery:
-                hidden = decoder(
-                    input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                    zorro_layout=zorro_layout, zorro_backend=self.zorro_backend,
-                ).last_hidden_state
-            self.last_delivery = delivery
-        else:
-            hidden = decoder(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, logit_rows)
+        rows, self.last_delivery = response_hidden(lm, input_ids, logit_rows, attention_mask, position_ids,
+                                                   zorro_layout, self.zorro_backend, self.last_delivery)
         if targets is None:
             return self.head(lm.get_output_embeddings(), rows)
         return self._chunked(lm.get_output_embeddings(), rows, targets, temperature, with_entropy)
@@ -83,6 +70,51 @@ class ResponseLogits(torch.nn.Module):
         if with_entropy:
             out["entropy"] = torch.cat([p[1] for p in pieces])
         return out
+
+
+class ResponseValues(torch.nn.Module):
+    """A critic: the causal LM's decoder and a linear value head (hidden -> 1) read at the same rows as the
+    log-probs, so a response token's value is that of the state before it (verl's and OpenRLHF's layout).
+    The head starts at zero: every value is 0 until the critic trains. Packed (ZoRRo) or padded, as the
+    policy's module."""
+
+    def __init__(self, causal_lm: torch.nn.Module, zorro_backend: str = "auto"):
+        super().__init__()
+        self.model = causal_lm
+        lm_head = causal_lm.get_output_embeddings()
+        if lm_head.weight is not causal_lm.get_input_embeddings().weight:
+            lm_head.requires_grad_(False)  # unused by a critic (tied, it is the input embedding, which trains)
+        self.value_head = torch.nn.Linear(causal_lm.config.hidden_size, 1, dtype=lm_head.weight.dtype)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+        self.zorro_backend = zorro_backend
+        self.last_delivery = None
+
+    def forward(self, input_ids: torch.Tensor, logit_rows: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, zorro_layout: ForestLayout | None = None) -> torch.Tensor:
+        """One value per row of `logit_rows`, in fp32."""
+        rows, self.last_delivery = response_hidden(self.model, input_ids, logit_rows, attention_mask, position_ids,
+                                                   zorro_layout, self.zorro_backend, self.last_delivery)
+        return self.value_head(rows).squeeze(-1).float()
+
+
+def response_hidden(lm, input_ids, logit_rows, attention_mask, position_ids, zorro_layout, zorro_backend, delivery):
+    """The decoder's last hidden states at `logit_rows` (ZoRRo's packed forest given `zorro_layout`, else a
+    right-padded batch), and the attention calls of a packed forward (`Delivery`; `delivery` otherwise)."""
+    decoder = _decoder(lm)
+    if zorro_layout is not None:
+        from arctic_rl_core.zorro.attention import expect_layout
+
+        with expect_layout(zorro_layout) as delivery:
+            hidden = decoder(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                zorro_layout=zorro_layout, zorro_backend=zorro_backend,
+            ).last_hidden_state
+    else:
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, logit_rows), delivery
 
 
 def _decoder(lm: torch.nn.Module) -> torch.nn.Module:

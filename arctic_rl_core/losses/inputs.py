@@ -38,6 +38,8 @@ class LossInputs:
     behaviour_version: torch.Tensor | None = None
     proximal_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
 
     def token_weights(self, mode: AggregationMode) -> torch.Tensor:
         """Per-token weights w with loss = sum(w * token_loss) for aggregation `mode`."""

@@ -31,6 +31,8 @@ class Registered:
     """Per-token `Sequence` fields the function needs (e.g. "advantages")."""
     source: str = ""
     """Where it came from: the defining module (the plugin manager adds the distribution)."""
+    model: str = "policy"
+    """The model a loss trains: "policy" (its outputs are log-probs) or "critic" (values)."""
 
     def parse_config(self, config: dict[str, Any], where: str) -> Any:
         if self.config_model is None:
@@ -70,23 +72,25 @@ class Registry:
         return sorted(self.entries)
 
 
-def _decorator(name: str, config: type[pydantic.BaseModel] | None, requires: tuple[str, ...]):
+def _decorator(name: str, config: type[pydantic.BaseModel] | None, requires: tuple[str, ...], model: str):
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.arctic_rl_registered = Registered(name, fn, config, tuple(requires), f"{fn.__module__}.{fn.__qualname__}")
+        fn.arctic_rl_registered = Registered(name, fn, config, tuple(requires), f"{fn.__module__}.{fn.__qualname__}",
+                                             model)
         return fn
 
     return wrap
 
 
-def register_loss_fn(name: str, *, config: type[pydantic.BaseModel] | None = None, requires: tuple[str, ...] = ()):
+def register_loss_fn(name: str, *, config: type[pydantic.BaseModel] | None = None, requires: tuple[str, ...] = (),
+                     model: str = "policy"):
     """Declare `fn(outputs, inputs, config) -> (loss, metrics)` as loss `name`.
 
     `outputs` maps "logprobs" (and "entropy" when the config asks for it) to
-    per-response-token tensors; `inputs` is a `LossInputs`; the loss must be a
-    scalar normalised with the *global* denominators in `inputs` so that
-    micro-batch losses add up to the batch loss.
+    per-response-token tensors, or, for a critic's loss (`model="critic"`), "values";
+    `inputs` is a `LossInputs`; the loss must be a scalar normalised with the *global*
+    denominators in `inputs` so that micro-batch losses add up to the batch loss.
     """
-    return _decorator(name, config, requires)
+    return _decorator(name, config, requires, model)
 
 
 def register_post_processor(name: str, *, config: type[pydantic.BaseModel] | None = None):
@@ -95,4 +99,4 @@ def register_post_processor(name: str, *, config: type[pydantic.BaseModel] | Non
     Post-processors run in order on the response-position logits before the
     loss; each returns the entries it adds to or replaces in `outputs`.
     """
-    return _decorator(name, config, ())
+    return _decorator(name, config, (), "policy")
