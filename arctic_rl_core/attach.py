@@ -106,3 +106,19 @@ def check_reference(ref_path: str, status: dict, key: str) -> None:
     if ours and reference.get("weights_fingerprint") and ours != reference["weights_fingerprint"]:
         raise ArcticSetupError(f"{key} ({ref_path}) holds other weights than the Arctic RL job's reference model "
                                f"({reference['model_path']})")
+
+
+def check_critic(critic_path: str, status: dict, key: str) -> dict:
+    """A framework's critic needs the job's critic (`critic.enable`), whose decoder is on the weights of the
+    framework's critic model (`key`). Returns the critic's engine settings (the job's `engine` under
+    `critic.engine`) in the form `check_optimizer` reads a status."""
+    critic = status["backend"].get("critic")
+    if critic is None:
+        raise ArcticSetupError(f"a critic ({key}) needs the Arctic RL job's critic: start the server's job with "
+                               "critic.enable: true")
+    ours = checkpoint_fingerprint(critic_path)
+    if ours and critic.get("weights_fingerprint") and ours != critic["weights_fingerprint"]:
+        raise ArcticSetupError(f"{key} ({critic_path}) holds other weights than the Arctic RL job's critic "
+                               f"({critic['model_path']})")
+    config = status["config"]
+    return {"config": {"engine": {**config["engine"], **config.get("critic", {}).get("engine", {})}}}

@@ -339,9 +339,11 @@ class InProcessBackend(TrainingAPI):
         engine = self._critic_engine("model") if model == "critic" else self.engine
         micro = self._micro_batches(seqs)
         call = (micro, entry, loss_config, post)
+        values = None
         if model == "critic":
             with self._critic_lock:
-                value, metrics, _ = self._accumulate(engine, self._critic_accumulated, call, False, False)
+                value, metrics, kept = self._accumulate(engine, self._critic_accumulated, call, True, False)
+            values = _split(len(seqs), micro, kept, "values")
         else:
             with self._train_lock, self._sampler_asleep():
                 value, metrics, kept = self._accumulate(engine, self._accumulated, call, return_logprobs, with_entropy)
@@ -355,6 +357,7 @@ class InProcessBackend(TrainingAPI):
             weight_version=self._weight_version,
             logprobs=logprobs,
             entropy=entropy,
+            values=values,
         )
 
     @staticmethod

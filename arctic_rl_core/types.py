@@ -187,6 +187,8 @@ class FwdBwdResult(_Strict):
     """With `return_logprobs`: per sequence, each response token's log-prob (after the loss's post-processors)
     under the weights the gradients were taken at, as `log_probs` would give them."""
     entropy: list[list[float]] | None = None
+    values: list[list[float]] | None = None
+    """With `model="critic"`: per sequence, each response token's value from the same forward."""
 
 
 class StepRequest(_Strict):

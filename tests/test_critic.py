@@ -70,6 +70,8 @@ def test_the_value_loss_is_verls_and_the_critic_learns_the_returns(trained_criti
         values = backend.values(batch).values
         result = backend.fwd_bwd(batch, {"name": "value", "config": {"cliprange_value": 10.0}}, model="critic")
         assert result.loss == pytest.approx(reference_value_loss(values, batch, 10.0), rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(torch.tensor(sum(result.values, [])), torch.tensor(sum(values, [])), rtol=1e-6,
+                                   atol=1e-7)  # the values of its own forward
         losses.append(result.loss)
         step = backend.step(model="critic")
     assert losses[-1] < losses[0] / 2, losses

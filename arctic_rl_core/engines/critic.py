@@ -20,6 +20,7 @@ from arctic_rl_core.engines.deepspeed_engine import DeepSpeedEngine
 from arctic_rl_core.engines.response_logits import ResponseValues
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.losses.registry import Registered
+from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 
 
 class CriticEngine(DeepSpeedEngine):
@@ -32,6 +33,7 @@ class CriticEngine(DeepSpeedEngine):
         super().__init__(config.model_copy(update={"model_path": path,
                                                    "engine": config.critic.engine_config(config.engine)}))
         self.model_path = path
+        self.weights_fingerprint = checkpoint_fingerprint(path)
 
     def _wrap(self, model: torch.nn.Module, hf_config, config: BackendConfig) -> torch.nn.Module:
         return ResponseValues(self._causal_lm, config.zorro.attention_backend)
@@ -49,5 +51,5 @@ class CriticEngine(DeepSpeedEngine):
         return {"values": values}
 
     def describe(self) -> dict:
-        return {"model_path": self.model_path, "optimizer_steps": self.steps, "zorro": self.zorro_loaded,
+        return {"model_path": self.model_path, "weights_fingerprint": self.weights_fingerprint, "optimizer_steps": self.steps, "zorro": self.zorro_loaded,
                 "learning_rate": float(self.engine.optimizer.param_groups[0]["lr"]), "zero_stage": self.stage, "device": str(self.device)}

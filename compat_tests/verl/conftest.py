@@ -23,7 +23,8 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 # Its optimizer settings are verl's defaults (weight decay 0.01): the adapter refuses a job that differs.
 JOBS = {
     "single": {"engine": {"zero_stage": 0, "learning_rate": 1e-3, "weight_decay": 0.01},
-               "sampler": {"name": "vllm", "kv_cache_mb": 128}, "reference": {"enable": True}},
+               "sampler": {"name": "vllm", "kv_cache_mb": 128}, "reference": {"enable": True},
+               "critic": {"enable": True}},
     "distributed": {"engine": {"zero_stage": 2, "learning_rate": 1e-3, "weight_decay": 0.01, "ranks": 2},
                     "sampler": {"name": "vllm", "kv_cache_mb": 128, "replicas": 2}, "reference": {"enable": True},
                     "placement": "colocated", "ray": {"num_cpus": 2}},

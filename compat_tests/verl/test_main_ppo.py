@@ -120,3 +120,20 @@ def test_the_job_block_is_set_whole_from_the_command_line():
     job = yaml.safe_load(composed.stdout)["actor_rollout_ref"]["actor"]["arctic"]["job"]
     assert job == {"sampler": {"name": "vllm"}, "engine": {"zero_stage": 0}}
 
+
+
+def test_main_ppo_with_gae_trains_verls_critic_on_arctic_rl(tiny_model, server, client, tmp_path):
+    """PPO with GAE: verl's critic worker reads values from, and trains, the job's critic; its value loss is the
+    backend's, step by step."""
+    before = client.status()["backend"]
+    values_before = client.values([{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]).values
+    log = run_documented("main_ppo_gae", tiny_model, server, tmp_path, STEPS)
+    after = client.status()["backend"]
+    assert after["critic"]["optimizer_steps"] - before["critic"]["optimizer_steps"] == STEPS
+    assert after["optimizer_steps"] - before["optimizer_steps"] == STEPS
+    verl_loss, arctic_loss = metric(log, "critic/vf_loss"), metric(log, "critic/arctic/loss")
+    assert len(verl_loss) == len(arctic_loss) == STEPS, log[-3000:]
+    for ours, theirs in zip(arctic_loss, verl_loss):
+        assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
+    assert metric(log, "critic/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
+    assert client.values([{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]).values != values_before

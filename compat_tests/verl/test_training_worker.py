@@ -353,3 +353,55 @@ def test_checkpoints_resume_bitwise_without_a_disk_shared_with_the_server(tiny_m
     assert client.status()["backend"]["learning_rate"] == continued_lr
     with pytest.raises(ArcticSetupError, match=RECORD_FILE):
         resumed.load_checkpoint(str(tmp_path))
+
+
+def test_critic_values_and_update_through_arctic_rl(tiny_model, server, client):
+    """verl's critic worker (a value-model TrainingWorker) on the job's critic: `compute_values` gives the
+    server's values in verl's layout; `update_critic` sends the mini-batch whole, and the value loss the backend
+    differentiated equals verl's `value_loss` (its `compute_value_loss`) on the same inputs."""
+    from transformers import AutoTokenizer
+    from verl.workers.utils.losses import value_loss
+
+    from arctic_rl_verl.config import ArcticCriticConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    engine = ArcticEngineConfig(url=server, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
+                                infer_micro_batch_size_per_gpu=4)
+    worker = TrainingWorker(config=TrainingWorkerConfig(
+        model_type="value_model", model_config=HFModelConfig(path=tiny_model, use_remove_padding=True),
+        engine_config=engine, optimizer_config=OptimizerConfig(lr=1e-2, clip_grad=1.0), checkpoint_config=CheckpointConfig()))
+    worker.reset()
+    critic = ArcticCriticConfig(rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
+                                cliprange_value=0.2, model=HFModelConfig(path=tiny_model))
+    worker.set_loss_fn(partial(value_loss, config=critic))
+    td = grpo_batch(tokenizer)
+    sequences = [Sequence(prompt_ids=p.tolist(), response_ids=r.tolist())
+                 for p, r in zip(td["prompts"].unbind(), td["responses"].unbind())]
+
+    # compute_values: verl's worker -> our engine -> the job's critic.
+    out = worker.infer_batch(td.clone())["values"]
+    served = client.values(sequences).values
+    for row, exp, p, r in zip(out.unbind(), served, td["prompts"].unbind(), td["responses"].unbind()):
+        assert torch.allclose(row[len(p) - 1 : len(p) - 1 + len(r)], torch.tensor(exp), atol=1e-6)
+
+    # update_critic: old values spread around the current ones (so the clip engages), GAE-like returns.
+    old = [torch.tensor(v) + torch.linspace(0.5, -0.5, len(v)) for v in served]
+    returns = [torch.linspace(-1.0, 1.0, len(v)) * float(s) for v, s in zip(served, torch.linspace(0.5, 1.5, len(served)))]
+    td["values"], td["returns"] = response_nested(old), response_nested(returns)
+    tu.pop(td, "compute_loss")
+    tu.assign_non_tensor(td, global_batch_size=len(old), mini_batch_size=len(old), epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
+    reference = td.clone()
+    tu.assign_non_tensor(reference, batch_num_tokens=float(reference["loss_mask"].sum()), dp_size=1)
+    verl_loss, verl_metrics = value_loss(critic, model_output={"values": full_row_layout(served, reference)},
+                                         data=reference)
+    digest = client.state_digest()
+    metrics = tu.get(worker.train_mini_batch(td), "metrics")
+    value = lambda key: as_float(next(v for k, v in metrics.items() if k.endswith(key)))  # noqa: E731
+    assert value("vf_loss") == pytest.approx(as_float(verl_metrics["critic/vf_loss"]), rel=1e-5, abs=1e-7)
+    assert 0 < value("vf_clipfrac") < 1
+    assert value("arctic/loss") == pytest.approx(float(verl_loss), rel=1e-5, abs=1e-7)
+    assert value("arctic/groups") == GROUPS
+    assert client.state_digest() != digest
+    after = client.values(sequences).values
+    assert max(abs(a - b) for x, y in zip(after, served) for a, b in zip(x, y)) > 1e-4  # the critic trained

@@ -43,10 +43,10 @@ def _response_rows(data: TensorDict, key: str) -> list[np.ndarray] | None:
     return [row.float().cpu().numpy() for row in _rows(data[key])]
 
 
-def sequences_from_batch(data: TensorDict) -> list[Sequence]:
+def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequence]:
     """One `Sequence` per row: prompt and response ids, the GRPO group (`uid`), and the per-token
     fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, the reference's
-    log-probs, mask).
+    log-probs, mask); for the critic's update (`critic`), its returns and the values it was scored with.
     Rows are numpy views of the batch's tensors, which the client sends without copying into lists."""
     prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
     if not prompts[0].dim() == 1 or "attention_mask" in data.keys() and not data["prompts"].is_nested:
@@ -56,13 +56,17 @@ def sequences_from_batch(data: TensorDict) -> list[Sequence]:
     advantages = _response_rows(data, "advantages")
     old = _response_rows(data, "old_log_probs")
     ref = _response_rows(data, "ref_log_prob")
+    returns = _response_rows(data, "returns") if critic else None
+    old_values = _response_rows(data, "values") if critic else None
     return [
         Sequence(
             prompt_ids=p.cpu().numpy(), response_ids=r.cpu().numpy(), group_id=None if uid is None else str(uid),
             loss_mask=None if mask is None else mask[i],
-            advantages=None if advantages is None else advantages[i],
-            behaviour_logprobs=None if old is None else old[i],
-            ref_logprobs=None if ref is None else ref[i],
+            advantages=None if advantages is None or critic else advantages[i],
+            behaviour_logprobs=None if old is None or critic else old[i],
+            ref_logprobs=None if ref is None or critic else ref[i],
+            returns=None if returns is None else returns[i],
+            old_values=None if old_values is None else old_values[i],
         )
         for i, (p, r, uid) in enumerate(zip(prompts, responses, uids))
     ]
@@ -118,3 +122,14 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
                              f"one of {', '.join(KL_TYPES)}")
         config.update(kl_loss_coef=actor_config.kl_loss_coef, kl_loss_type=kind)
     return LossSpec(name="grpo", config=config, post=post)
+
+
+def value_loss_spec(critic_config) -> LossSpec:
+    """Arctic RL's `value` loss with the settings of verl's critic (its `compute_value_loss`)."""
+    agg = AGGREGATION.get(critic_config.loss_agg_mode)
+    if agg is None:
+        raise ValueError(f"critic.loss_agg_mode={critic_config.loss_agg_mode!r} is not supported; use one of "
+                         f"{', '.join(AGGREGATION)}")
+    if getattr(critic_config, "loss_scale_factor", None) is not None:
+        raise ValueError("critic.loss_scale_factor: arctic_rl aggregates without a scale factor; leave it null")
+    return LossSpec(name="value", config={"cliprange_value": critic_config.cliprange_value, "loss_agg_mode": agg})

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from verl.workers.config import ActorConfig, CriticConfig
 from verl.workers.config.engine import EngineConfig
 
-from arctic_rl_verl.batch import loss_spec
+from arctic_rl_verl.batch import loss_spec, value_loss_spec
 
 
 @dataclass
@@ -48,9 +48,13 @@ class ArcticActorConfig(ActorConfig):
 
 @dataclass
 class ArcticCriticConfig(CriticConfig):
+    """verl's critic (GAE) on the job's critic (`critic.enable` in the server's job): values and value-loss
+    updates go to the server, at `critic.arctic.url` (default: the actor's server)."""
+
     strategy: str = "arctic_rl"
     arctic: ArcticEngineConfig = field(default_factory=ArcticEngineConfig)
 
     def __post_init__(self):
         super().__post_init__()
-        self.engine = self.arctic
+        self.engine = self.arctic  # TrainingWorker builds the engine from CriticConfig.engine
+        value_loss_spec(self)  # a loss setting we cannot honour stops the run here, before any rollout

@@ -10,7 +10,9 @@ URL_KEY = "actor_rollout_ref.actor.arctic.url"
 OPTIM_KEY = "actor_rollout_ref.actor.optim"
 KEYS = attach.Keys(url=URL_KEY, model="actor_rollout_ref.model.path", optimizer=OPTIM_KEY, framework="verl")
 
-__all__ = ["ArcticSetupError", "URL_KEY", "client_for", "connect", "connect_reference"]
+CRITIC_KEYS = attach.Keys(url="critic.arctic.url", model="critic.model.path", optimizer="critic.optim", framework="verl")
+
+__all__ = ["ArcticSetupError", "URL_KEY", "client_for", "connect", "connect_critic", "connect_reference"]
 
 
 def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
@@ -50,4 +52,19 @@ def connect_reference(arctic, model_config) -> ArcticRLClient:
         raise ArcticSetupError(f"the Arctic RL server at {arctic.url} runs no job, and verl builds its reference before "
                                "its actor: start the server with a job (--config) holding reference.enable: true")
     attach.check_reference(model_config.local_path, status, "actor_rollout_ref.model.path")
+    return client
+
+
+def connect_critic(arctic, model_config, optimizer_config) -> ArcticRLClient:
+    """A client for the server's critic, which verl's critic worker trains and reads its values from: the job's
+    (`critic.enable`), on the weights of verl's critic model (critic.model.path), with verl's `critic.optim`."""
+    client, status = attach.reach(arctic.url, arctic.token_env, arctic.timeout_s, CRITIC_KEYS, retries=1)
+    if not status["initialized"]:
+        raise ArcticSetupError(f"the Arctic RL server at {arctic.url} runs no job, and verl builds its critic before "
+                               "its actor: start the server with a job (--config) holding critic.enable: true")
+    critic = attach.check_critic(model_config.local_path, status, CRITIC_KEYS.model)
+    if getattr(optimizer_config, "optimizer", "AdamW") not in ("AdamW", "adamw"):
+        raise ArcticSetupError(f"critic.optim.optimizer={optimizer_config.optimizer}: the Arctic RL critic trains with AdamW")
+    attach.check_optimizer(_optimizer(optimizer_config), critic,
+                           {"weight_decay": "weight_decay", "betas": "betas", "grad_clip": "clip_grad"}, CRITIC_KEYS)
     return client

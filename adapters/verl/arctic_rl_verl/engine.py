@@ -29,8 +29,8 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from arctic_rl_core import checkpoint_handles
 from arctic_rl_verl import trace
-from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch
-from arctic_rl_verl.connect import ArcticSetupError, connect, connect_reference
+from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch, value_loss_spec
+from arctic_rl_verl.connect import ArcticSetupError, connect, connect_critic, connect_reference
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +133,22 @@ class ArcticRLEngine(BaseEngine):
             scored = result = self.client.fwd_bwd(sequences, loss_spec(loss_function.keywords["config"], temperature),
                                                   return_logprobs=True, with_entropy=with_entropy)
         else:
+            result = None
             scored = self.client.log_probs(sequences, with_entropy=with_entropy, temperature=temperature,
                                            source="reference" if self.reference else "trainer")
         call_s = time.perf_counter() - call_started
         model_output = {"log_probs": full_row_layout(scored.logprobs, data)}
         if with_entropy:
             model_output["entropy"] = full_row_layout(scored.entropy, data)
+        output = self._with_verls_loss(model_output, data, loss_function, result, sequences)
+        trace.record("fwd_bwd" if update else "reference_log_probs" if self.reference else "log_probs",
+                     rows=len(sequences), adapter_s=time.perf_counter() - started, call_s=call_s)
+        return output
+
+    def _with_verls_loss(self, model_output: dict, data: TensorDict, loss_function: Callable | None, result,
+                         sequences) -> dict:
+        """verl's own loss evaluated (no gradient) on the backend's outputs, for the metrics verl logs; with an
+        update's `result`, the backend's own loss beside it (`arctic/loss`)."""
         metrics: dict = {}
         losses = [0.0]
         if loss_function is not None:
@@ -149,11 +159,9 @@ class ArcticRLEngine(BaseEngine):
                                                         dp_group=self.get_data_parallel_group())
             append_to_dict(metrics, verl_metrics)
             losses = [float(verl_loss)]
-            if update:
+            if result is not None:
                 append_to_dict(metrics, {"arctic/loss": result.loss, "arctic/num_tokens": float(result.num_tokens),
                                          "arctic/groups": float(len({s.group_id for s in sequences}))})
-        trace.record("fwd_bwd" if update else "reference_log_probs" if self.reference else "log_probs",
-                     rows=len(sequences), adapter_s=time.perf_counter() - started, call_s=call_s)
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
     def optimizer_zero_grad(self):
@@ -186,3 +194,39 @@ class ArcticRLEngine(BaseEngine):
         for _ in range(record["schedule_steps"]):  # the schedule continues where it was saved
             self.schedule.optimizer.step()  # a no-op (no gradients): the order torch expects
             self.schedule.step()
+
+
+@EngineRegistry.register(model_type="value_model", backend="arctic_rl", device=["cuda", "npu", "cpu"])
+class ArcticRLCriticEngine(ArcticRLEngine):
+    """verl's critic (PPO with GAE) on the job's critic: `compute_values` reads `values`, `update_critic` sends
+    each mini-batch whole as one `fwd_bwd(model="critic")` with the value loss of verl's critic settings, which
+    returns the values of its own forward for verl's `value_loss` metrics; `step(model="critic")` at the rate
+    of verl's `critic.optim` schedule."""
+
+    def initialize(self):
+        self.reference = False
+        workers = self.get_data_parallel_size()
+        if workers > 1:
+            raise ArcticSetupError(f"verl runs {workers} critic workers (trainer.n_gpus_per_node x trainer.nnodes): "
+                                   "arctic_rl serves one. Set trainer.n_gpus_per_node=1 trainer.nnodes=1")
+        self.client = connect_critic(self.engine_config, self.model_config, self.optimizer_config)
+        self.schedule = lr_schedule(self.optimizer_config)
+
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
+        started = time.perf_counter()
+        update = loss_function is not None and not forward_only
+        sequences = sequences_from_batch(data, critic=update)
+        call_started = time.perf_counter()
+        if update:
+            result = self.client.fwd_bwd(sequences, value_loss_spec(loss_function.keywords["config"]), model="critic")
+            values = result.values
+        else:
+            result, values = None, self.client.values(sequences).values
+        call_s = time.perf_counter() - call_started
+        output = self._with_verls_loss({"values": full_row_layout(values, data)}, data, loss_function, result, sequences)
+        trace.record("critic_fwd_bwd" if update else "values", rows=len(sequences),
+                     adapter_s=time.perf_counter() - started, call_s=call_s)
+        return output
+
+    def optimizer_step(self):
+        return self.client.step(self.schedule.get_last_lr()[0], model="critic").grad_norm

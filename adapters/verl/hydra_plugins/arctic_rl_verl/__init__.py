@@ -1,4 +1,4 @@
-"""Hydra search-path plugin: puts the adapter's configs (`arctic_rl_adapters/verl/conf`) on verl's
+"""Hydra search-path plugin: puts the adapter's configs (`arctic_rl_verl/conf`) on verl's
 config search path, so `model_engine=arctic_rl` and `--config-name arctic_ppo_trainer` resolve."""
 
 from hydra.core.config_search_path import ConfigSearchPath
