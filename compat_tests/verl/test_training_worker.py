@@ -355,7 +355,7 @@ def test_checkpoints_resume_bitwise_without_a_disk_shared_with_the_server(tiny_m
         resumed.load_checkpoint(str(tmp_path))
 
 
-def test_critic_values_and_update_through_arctic_rl(tiny_model, server, client):
+def test_critic_values_and_value_loss_on_the_jobs_critic(tiny_model, server, client):
     """verl's critic worker (a value-model TrainingWorker) on the job's critic: `compute_values` gives the
     server's values in verl's layout; `update_critic` sends the mini-batch whole, and the value loss the backend
     differentiated equals verl's `value_loss` (its `compute_value_loss`) on the same inputs."""
