@@ -143,6 +143,51 @@ def direct_calls(client, model: str, shape: tuple[int, int, int], repeats: int) 
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def rollout_server_alone(url: str, model: str, shape: tuple[int, int, int], trees: list[str | None],
+                         repeats: int) -> dict[str, dict[str, float]]:
+    """The rollout server of each tree's adapter, without verl: one step's requests sent to it at once, as verl's
+    agent loop sends them (one per sample), from the first request to the last answer; beside the backend's own
+    `generate` of the same requests. Trees alternate within each repeat; medians."""
+    import asyncio
+    import importlib.util
+    from types import SimpleNamespace
+
+    from arctic_rl_core.client import ArcticRLClient
+    from arctic_rl_core.types import SamplingParams
+
+    import arctic_rl_verl
+
+    prompts, n, response = shape
+    rows = [p for p in chat_prompts(model, prompts) for _ in range(n)]
+    config = SimpleNamespace(custom={"arctic": {"url": url}}, response_length=response, n=n)
+    servers = {}
+    for tree in trees:
+        path = (os.path.join(tree, "adapters", "verl", "arctic_rl_verl", "rollout.py") if tree
+                else os.path.join(os.path.dirname(arctic_rl_verl.__file__), "rollout.py"))
+        spec = importlib.util.spec_from_file_location(f"rollout_{len(servers)}", path)
+        module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        servers[tree or "installed"] = module.ArcticServer(config, replica_rank=0)
+    client = ArcticRLClient(url)
+    sampling = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": response}
+    times: dict[str, list[float]] = {name: [] for name in [*servers, "direct generate"]}
+
+    async def step(server):
+        return await asyncio.gather(*(server.generate(p, sampling, f"{i}") for i, p in enumerate(rows)))
+
+    loop = asyncio.new_event_loop()
+    for _ in range(repeats):
+        for name, server in servers.items():
+            t0 = time.perf_counter()
+            loop.run_until_complete(step(server))
+            times[name].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        client.generate(rows, SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=response))
+        times["direct generate"].append(time.perf_counter() - t0)
+    loop.close()
+    return {name: {"median_s": statistics.median(v), "min_s": min(v)} for name, v in times.items()}
+
+
 def install_adapter(tree: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps",
                     os.path.join(tree, "adapters", "verl")], check=True)
@@ -150,12 +195,14 @@ def install_adapter(tree: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="verl steps per run; the first is left out")
+    parser.add_argument("--steps", type=int, default=6, help="verl steps per run; the first is left out (0: no verl run)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each direct call")
     parser.add_argument("--rounds", type=int, default=1, help="runs per adapter tree and shape, alternating")
     parser.add_argument("--poll-s", type=float, default=0.1, help="verl's replay buffer's poll interval (its own: 2 s)")
     parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
     parser.add_argument("--adapter", action="append", help="an Arctic RL tree whose adapters/verl to install")
+    parser.add_argument("--rollout-repeats", type=int, default=0,
+                        help="also time each tree's rollout server alone (no verl) this many times per shape")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
 
@@ -170,7 +217,7 @@ def main() -> None:
             client = ArcticRLClient(url)
             for shape_name in args.shape or list(SHAPES):
                 shape = SHAPES[shape_name]
-                for round_ in range(args.rounds):
+                for round_ in range(args.rounds if args.steps else 0):
                     for tree in args.adapter or [None]:
                         if tree:
                             install_adapter(tree)
@@ -191,6 +238,11 @@ def main() -> None:
                         }
                         results.append(result)
                         report(result)
+                if args.rollout_repeats:
+                    alone = rollout_server_alone(url, model, shape, args.adapter or [None], args.rollout_repeats)
+                    results.append({"shape": shape_name, "rollout_server_alone": alone})
+                    print(f"\n{shape_name}: the rollout server alone, {args.rollout_repeats} repeats (s): {alone}",
+                          flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
