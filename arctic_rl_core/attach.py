@@ -96,29 +96,29 @@ def check_optimizer(ours: dict, status: dict, names: dict[str, str], keys: Keys)
                                    f"{job[key]}: set one to the other (the server's job.yaml, or this override)")
 
 
+def _check_role(role: str, what: str, path: str, status: dict, key: str, need: str) -> dict:
+    """The job's `role` ("reference", "critic") as status describes it, on the weights of the framework's `path`
+    (`key`), or an error saying what to start the job with."""
+    served = status["backend"].get(role)
+    if served is None:
+        raise ArcticSetupError(f"{need} needs the Arctic RL job's {what} ({key}): start the server's job with "
+                               f"{role}.enable: true")
+    ours = checkpoint_fingerprint(path)
+    if ours and served.get("weights_fingerprint") and ours != served["weights_fingerprint"]:
+        raise ArcticSetupError(f"{key} ({path}) holds other weights than the Arctic RL job's {what} "
+                               f"({served['model_path']})")
+    return served
+
+
 def check_reference(ref_path: str, status: dict, key: str) -> None:
     """A framework's KL terms need the job's reference model, on the weights of the framework's reference (`key`)."""
-    reference = status["backend"].get("reference")
-    if reference is None:
-        raise ArcticSetupError(f"a KL term needs the Arctic RL job's reference model ({key}): start the server's job "
-                               "with reference.enable: true")
-    ours = checkpoint_fingerprint(ref_path)
-    if ours and reference.get("weights_fingerprint") and ours != reference["weights_fingerprint"]:
-        raise ArcticSetupError(f"{key} ({ref_path}) holds other weights than the Arctic RL job's reference model "
-                               f"({reference['model_path']})")
+    _check_role("reference", "reference model", ref_path, status, key, "a KL term")
 
 
 def check_critic(critic_path: str, status: dict, key: str) -> dict:
     """A framework's critic needs the job's critic (`critic.enable`), whose decoder is on the weights of the
     framework's critic model (`key`). Returns the critic's engine settings (the job's `engine` under
     `critic.engine`) in the form `check_optimizer` reads a status."""
-    critic = status["backend"].get("critic")
-    if critic is None:
-        raise ArcticSetupError(f"a critic ({key}) needs the Arctic RL job's critic: start the server's job with "
-                               "critic.enable: true")
-    ours = checkpoint_fingerprint(critic_path)
-    if ours and critic.get("weights_fingerprint") and ours != critic["weights_fingerprint"]:
-        raise ArcticSetupError(f"{key} ({critic_path}) holds other weights than the Arctic RL job's critic "
-                               f"({critic['model_path']})")
+    _check_role("critic", "critic", critic_path, status, key, "a critic")
     config = status["config"]
     return {"config": {"engine": {**config["engine"], **config.get("critic", {}).get("engine", {})}}}

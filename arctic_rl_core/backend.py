@@ -126,25 +126,20 @@ class InProcessBackend(TrainingAPI):
         except BaseException:
             self._close(self.engine)
             raise
-        self.reference = None
-        if self.config.reference.enable:
-            from arctic_rl_core.engines.reference import ReferenceModel
+        self.reference = self.critic = None
+        try:
+            if self.config.reference.enable:
+                from arctic_rl_core.engines.reference import ReferenceModel
 
-            try:
                 self.reference = ReferenceModel(self.config)
-            except BaseException:
-                self.close()
-                raise
-        self._reference_lock = threading.Lock()
-        self.critic = None
-        if self.config.critic.enable:
-            from arctic_rl_core.engines.critic import CriticEngine
+            if self.config.critic.enable:
+                from arctic_rl_core.engines.critic import CriticEngine
 
-            try:
                 self.critic = CriticEngine(self.config)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
+        self._reference_lock = threading.Lock()
         self._critic_lock = threading.Lock()
         """Held by every call on the critic (it has no sampler, and trains apart from the policy)."""
         self._critic_accumulated: list[tuple] = []

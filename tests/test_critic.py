@@ -130,3 +130,20 @@ def test_checkpoints_hold_the_critic(make_api, tmp_path):
     assert api.values(seqs).values != values
     api.load_checkpoint(path)
     assert api.state_digest() == digest and api.values(seqs).values == values
+
+
+def test_a_framework_critic_is_checked_against_the_jobs(tiny_model, tmp_path):
+    """What an adapter's critic checks at start-up: the job has a critic, on the same weights, and the critic's
+    optimizer settings are the job's `engine` under `critic.engine`."""
+    from arctic_rl_core.attach import ArcticSetupError, check_critic
+    from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
+
+    config = {"engine": {"weight_decay": 0.01, "grad_clip": 1.0}, "critic": {"engine": {"weight_decay": 0.1}}}
+    with pytest.raises(ArcticSetupError, match=r"critic.model.path\): start the server's job with critic.enable: true"):
+        check_critic(tiny_model, {"backend": {"critic": None}, "config": config}, "critic.model.path")
+    served = {"model_path": "/elsewhere", "weights_fingerprint": "0" * 64}
+    with pytest.raises(ArcticSetupError, match="critic.model.path .* holds other weights than the Arctic RL job's critic"):
+        check_critic(tiny_model, {"backend": {"critic": served}, "config": config}, "critic.model.path")
+    served["weights_fingerprint"] = checkpoint_fingerprint(tiny_model)
+    engine = check_critic(tiny_model, {"backend": {"critic": served}, "config": config}, "critic.model.path")
+    assert engine == {"config": {"engine": {"weight_decay": 0.1, "grad_clip": 1.0}}}
