@@ -48,6 +48,23 @@ def test_aggregation_modes(mode, groups, expected):
     assert inputs.aggregate(torch.tensor([1.0, 2.0, 3.0, 4.0]), mode).item() == pytest.approx(expected)
 
 
+def test_seq_mean_token_sum_norm_divides_every_term_so_aggregated_by_the_scale_factor():
+    # verl's seq-mean-token-sum-norm (Dr. GRPO): per-sequence sums, mean over sequences, / loss_scale_factor.
+    inputs = make_inputs([0, 0, 0, 1])
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert inputs.aggregate(values, "seq-mean-token-sum-norm", 8.0).item() == pytest.approx((6 + 4) / 2 / 8)
+    logp = logp_leaf([-1.0] * 4)
+    entropy = torch.tensor([2.0, 4.0, 4.0, 4.0])
+    fields = make_inputs([0, 0, 0, 1], behaviour_logprobs=[-1.0] * 4, advantages=[1.0, 1.0, 1.0, -2.0])
+    config = GRPOConfig(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=4.0, entropy_coeff=0.1,
+                        entropy_agg_mode="token-mean")
+    loss, _ = grpo_loss({"logprobs": logp, "entropy": entropy}, fields, config)
+    # pg = -A per token at ratio 1: sequences sum to -3 and +2; entropy by token mean: 14 / 4.
+    assert loss.item() == pytest.approx((-3 + 2) / 2 / 4 - 0.1 * 14 / 4, rel=1e-6)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        GRPOConfig(loss_agg_mode="seq-mean-token-sum-norm")
+
+
 def test_masked_tokens_leave_numerator_and_denominator():
     inputs = make_inputs([0, 0, 1], mask=[1, 0, 1])
     assert inputs.aggregate(torch.tensor([1.0, 100.0, 3.0]), "token-mean").item() == pytest.approx(2.0)

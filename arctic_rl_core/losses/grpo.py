@@ -29,7 +29,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from arctic_rl_core.losses.inputs import AggregationMode, LossInputs
+from arctic_rl_core.losses.inputs import LossInputs, ScaledAggregationMode
 from arctic_rl_core.losses.registry import register_loss_fn
 from arctic_rl_core.types import MAX_VERSION
 
@@ -44,11 +44,13 @@ class GRPOConfig(BaseModel):
     """Upper clip bound (clip-higher, DAPO). Defaults to eps_clip."""
     c_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages."""
-    loss_agg_mode: AggregationMode = "token-mean"
-    kl_agg_mode: AggregationMode | None = None
+    loss_agg_mode: ScaledAggregationMode = "token-mean"
+    kl_agg_mode: ScaledAggregationMode | None = None
     """How the KL term is aggregated, when not as the rest of the loss (SkyRL: per sequence)."""
-    entropy_agg_mode: AggregationMode | None = None
+    entropy_agg_mode: ScaledAggregationMode | None = None
     """How the entropy term is aggregated, when not as the rest of the loss (SkyRL: per sequence)."""
+    loss_scale_factor: float | None = Field(None, gt=0)
+    """What the terms aggregated with `seq-mean-token-sum-norm` are divided by (verl's loss_scale_factor)."""
     kl_loss_coef: float = Field(0.0, ge=0)
     kl_loss_type: Literal["k1", "k3", "low_var_kl"] = "low_var_kl"
     entropy_coeff: float = 0.0
@@ -67,6 +69,9 @@ class GRPOConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "GRPOConfig":
+        modes = (self.loss_agg_mode, self.kl_agg_mode, self.entropy_agg_mode)
+        if "seq-mean-token-sum-norm" in modes and self.loss_scale_factor is None:
+            raise ValueError("seq-mean-token-sum-norm divides by loss_scale_factor: set it")
         if self.is_weight_clip_min > self.is_weight_clip_max:
             raise ValueError("is_weight_clip_min must not be above is_weight_clip_max")
         if (self.sapo_tau_pos is None) != (self.sapo_tau_neg is None):
@@ -201,16 +206,16 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
     keep = 1 - dropped
 
     metrics = {}
-    weights = inputs.token_weights(config.loss_agg_mode)
+    weights = inputs.token_weights(config.loss_agg_mode, config.loss_scale_factor)
     loss = (pg * keep * weights).sum()
     if config.kl_loss_coef > 0:
         kl = kl_penalty(logp, inputs.ref_logprobs, config.kl_loss_type)
-        kl_weights = weights if config.kl_agg_mode is None else inputs.token_weights(config.kl_agg_mode)
+        kl_weights = weights if config.kl_agg_mode is None else inputs.token_weights(config.kl_agg_mode, config.loss_scale_factor)
         loss = loss + config.kl_loss_coef * (kl * keep * kl_weights).sum()
         metrics["kl"] = inputs.token_mean(kl * keep)
     if config.entropy_coeff != 0:
         entropy = outputs["entropy"]
-        entropy_weights = weights if config.entropy_agg_mode is None else inputs.token_weights(config.entropy_agg_mode)
+        entropy_weights = weights if config.entropy_agg_mode is None else inputs.token_weights(config.entropy_agg_mode, config.loss_scale_factor)
         loss = loss - config.entropy_coeff * (entropy * keep * entropy_weights).sum()
         metrics["entropy"] = inputs.token_mean(entropy * keep)
     metrics.update(

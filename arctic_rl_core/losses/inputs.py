@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "prompt-mean", "token-sum"]
+ScaledAggregationMode = Literal[AggregationMode, "seq-mean-token-sum-norm"]
+"""With `seq-mean-token-sum-norm`: seq-mean-token-sum divided by a constant (verl's `loss_scale_factor`; Dr. GRPO's)."""
 
 
 @dataclass
@@ -41,9 +43,14 @@ class LossInputs:
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
 
-    def token_weights(self, mode: AggregationMode) -> torch.Tensor:
-        """Per-token weights w with loss = sum(w * token_loss) for aggregation `mode`."""
+    def token_weights(self, mode: ScaledAggregationMode, scale_factor: float | None = None) -> torch.Tensor:
+        """Per-token weights w with loss = sum(w * token_loss) for aggregation `mode` (`scale_factor`: the
+        constant `seq-mean-token-sum-norm` divides by)."""
         mask = self.loss_mask
+        if mode == "seq-mean-token-sum-norm":
+            if scale_factor is None:
+                raise ValueError("seq-mean-token-sum-norm needs a scale factor")
+            return mask / max(self.num_sequences, 1) / scale_factor
         if mode == "token-mean":
             return mask / max(self.num_tokens, 1.0)
         if mode == "seq-mean-token-mean":
@@ -59,8 +66,9 @@ class LossInputs:
             return mask
         raise ValueError(f"unknown aggregation mode {mode!r}")
 
-    def aggregate(self, token_values: torch.Tensor, mode: AggregationMode) -> torch.Tensor:
-        return (token_values * self.token_weights(mode)).sum()
+    def aggregate(self, token_values: torch.Tensor, mode: ScaledAggregationMode,
+                  scale_factor: float | None = None) -> torch.Tensor:
+        return (token_values * self.token_weights(mode, scale_factor)).sum()
 
     def token_mean(self, token_values: torch.Tensor) -> torch.Tensor:
         """Batch-wide token mean: the form every additive metric takes."""

@@ -94,7 +94,7 @@ def response_nested(rows: list[torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("loss_mode, agg", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean"),
                                             ("vanilla", "token-sum"), ("cispo", "token-mean"),
                                             ("gpg", "seq-mean-token-sum"), ("geo_mean", "token-mean"),
-                                            ("sapo", "token-mean")])
+                                            ("sapo", "token-mean"), ("vanilla", "seq-mean-token-sum-norm")])
 def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client, loss_mode, agg):
     from transformers import AutoTokenizer
     from verl.workers.config import PolicyLossConfig
@@ -103,7 +103,8 @@ def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model
     worker = worker_for(tiny_model, server)
     actor = ActorConfig(strategy="arctic_rl", rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
                         clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=False, loss_agg_mode=agg,
-                        policy_loss=PolicyLossConfig(loss_mode=loss_mode))
+                        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+                        loss_scale_factor=16 if agg == "seq-mean-token-sum-norm" else None)
     worker.set_loss_fn(partial(ppo_loss, config=actor))
     td = grpo_batch(tokenizer)
     sequences = [Sequence(prompt_ids=p.tolist(), response_ids=r.tolist())
@@ -265,7 +266,8 @@ print(get_rollout_class("arctic_rl").__name__, RolloutReplicaRegistry.get("arcti
 
 
 @pytest.mark.parametrize("setting, refused", [
-    ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_mode='seq-mean-token-sum-norm' is not supported"),
+    ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_mode='seq-mean-token-sum-norm' needs "
+                                                   "actor_rollout_ref.actor.loss_scale_factor"),
     ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov': arctic_rl serves vanilla, gspo, cispo, gpg, sapo, geo_mean"),
     ({"use_kl_loss": True, "kl_loss_type": "mse"}, "kl_loss_type='mse' is not supported"),
 ])

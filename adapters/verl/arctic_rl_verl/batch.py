@@ -30,7 +30,8 @@ LOSS_MODES = {
 KL_TYPES = {"kl": "k1", "k1": "k1", "low_var_kl": "low_var_kl", "k3": "k3"}
 # verl's loss_agg_mode -> Arctic RL's GRPO aggregation (the same normalisations at one rank).
 AGGREGATION = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
-               "seq-mean-token-sum": "seq-mean-token-sum", "token-sum": "token-sum"}
+               "seq-mean-token-sum": "seq-mean-token-sum", "token-sum": "token-sum",
+               "seq-mean-token-sum-norm": "seq-mean-token-sum-norm"}
 
 
 def _rows(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -102,6 +103,12 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
     if agg is None:
         raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={actor_config.loss_agg_mode!r} is not supported; "
                          f"use one of {', '.join(AGGREGATION)}")
+    scale = getattr(actor_config, "loss_scale_factor", None)
+    if agg == "seq-mean-token-sum-norm" and scale is None:
+        # verl then divides by the padded width of each micro-batch, which depends on how verl batches.
+        raise ValueError("actor_rollout_ref.actor.loss_agg_mode='seq-mean-token-sum-norm' needs "
+                         "actor_rollout_ref.actor.loss_scale_factor (e.g. data.max_response_length): without it verl "
+                         "divides by each micro-batch's padded width, which depends on its batching")
     low = actor_config.clip_ratio_low if actor_config.clip_ratio_low is not None else actor_config.clip_ratio
     high = actor_config.clip_ratio_high if actor_config.clip_ratio_high is not None else actor_config.clip_ratio
     post = [{"name": "apply_temperature", "config": {"temperature": temperature}}] if temperature != 1.0 else []
@@ -114,6 +121,8 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
         return LossSpec(name="gmpo", config={"eps_clip": low, "eps_clip_higher": high}, post=post)
     config = {"eps_clip": low, "eps_clip_higher": high, "loss_agg_mode": agg, "entropy_coeff": actor_config.entropy_coeff,
               "entropy_agg_mode": agg, "kl_agg_mode": agg, **LOSS_MODES[mode](actor_config, low, high)}
+    if agg == "seq-mean-token-sum-norm":
+        config["loss_scale_factor"] = float(scale)
     if actor_config.use_kl_loss:
         # Against the job's reference model (verl's ref worker on arctic_rl: log_probs(source="reference")).
         kind = KL_TYPES.get(actor_config.kl_loss_type)
@@ -127,7 +136,7 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
 def value_loss_spec(critic_config) -> LossSpec:
     """Arctic RL's `value` loss with the settings of verl's critic (its `compute_value_loss`)."""
     agg = AGGREGATION.get(critic_config.loss_agg_mode)
-    if agg is None:
+    if agg is None or agg == "seq-mean-token-sum-norm":
         raise ValueError(f"critic.loss_agg_mode={critic_config.loss_agg_mode!r} is not supported; use one of "
                          f"{', '.join(AGGREGATION)}")
     if getattr(critic_config, "loss_scale_factor", None) is not None:
