@@ -17,7 +17,7 @@ import torch
 from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.deepspeed_engine import DeepSpeedEngine
-from arctic_rl_core.engines.response_logits import ResponseValues
+from arctic_rl_core.engines.response_logits import ResponseValues, model_inputs
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.losses.registry import Registered
 from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
@@ -42,13 +42,7 @@ class CriticEngine(DeepSpeedEngine):
         """Nothing to check against: values are the critic's own (packed and padded forwards agree, tested)."""
 
     def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
-        def on_device(t):
-            return t.to(self.device) if t is not None else None
-
-        values = self.engine(input_ids=mb.input_ids.to(self.device), logit_rows=mb.logit_rows.to(self.device),
-                             attention_mask=on_device(mb.attention_mask), position_ids=on_device(mb.position_ids),
-                             zorro_layout=mb.layout)
-        return {"values": values}
+        return {"values": self.engine(**model_inputs(mb, self.device))}
 
     def describe(self) -> dict:
         return {"model_path": self.model_path, "weights_fingerprint": self.weights_fingerprint, "optimizer_steps": self.steps, "zorro": self.zorro_loaded,

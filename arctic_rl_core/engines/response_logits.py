@@ -140,18 +140,23 @@ def folded_temperature(post: list[tuple[Registered, Any]]) -> float | None:
     return temperature
 
 
+def model_inputs(mb: MicroBatch, device: torch.device) -> dict[str, Any]:
+    """A micro-batch's forward arguments for a `ResponseLogits` or `ResponseValues`, on `device`."""
+    def to_device(t):
+        return t.to(device) if t is not None else None
+
+    return dict(input_ids=mb.input_ids.to(device), logit_rows=mb.logit_rows.to(device),
+                attention_mask=to_device(mb.attention_mask), position_ids=to_device(mb.position_ids),
+                zorro_layout=mb.layout)
+
+
 def response_outputs(forward: Callable[..., Any], mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool,
                      device: torch.device) -> dict[str, torch.Tensor]:
     """One micro-batch through `forward` (a `ResponseLogits`, or an engine wrapping one): the response tokens'
     "targets", "logprobs" and, with `with_entropy`, "entropy", after the post-processors `post`."""
     from arctic_rl_core.losses.post_processors import compute_entropy, compute_logprobs
 
-    def to_device(t):
-        return t.to(device) if t is not None else None
-
-    batch = dict(input_ids=mb.input_ids.to(device), logit_rows=mb.logit_rows.to(device),
-                 attention_mask=to_device(mb.attention_mask), position_ids=to_device(mb.position_ids),
-                 zorro_layout=mb.layout)
+    batch = model_inputs(mb, device)
     targets = mb.targets.to(device)
     temperature = folded_temperature(post)
     if temperature is not None:
