@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from arctic_rl_core.api import TrainingAPI
-from arctic_rl_core.batching import build_micro_batches, require_fields, validate_sequences
+from arctic_rl_core.batching import build_micro_batches, refuse_unread, require_fields, validate_sequences
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.validation import parse
@@ -331,6 +331,7 @@ class InProcessBackend(TrainingAPI):
             raise InvalidRequest("loss.post", "the critic's values take no post-processors")
         seqs = self._validated(sequences)
         require_fields(seqs, entry.required_fields(loss_config), f"loss {spec.name!r}")
+        refuse_unread(seqs, entry.reads, f"loss {spec.name!r}")
         engine = self._critic_engine("model") if model == "critic" else self.engine
         micro = self._micro_batches(seqs)
         call = (micro, entry, loss_config, post)

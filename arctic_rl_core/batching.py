@@ -24,7 +24,10 @@ from arctic_rl_core.types import Sequence, joined
 from arctic_rl_core.zorro.forest import pack_forest, plan_forest_micro_batches
 from arctic_rl_kernels.layout import ForestLayout
 
-_OPTIONAL_TOKEN_FIELDS = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "returns", "old_values")
+_OPTIONAL_TOKEN_FIELDS = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs", "is_weights", "returns",
+                          "old_values")
+# Fields that change a loss's objective when present: refused by a loss that would ignore them.
+_WEIGHTING_FIELDS = ("is_weights",)
 
 
 def validate_sequences(sequences: list[Sequence], *, max_context: int, vocab_size: int, field: str = "sequences") -> None:
@@ -48,6 +51,13 @@ def require_fields(sequences: list[Sequence], fields: tuple[str, ...], why: str,
         for name in fields:
             if getattr(seq, name) is None:
                 raise InvalidRequest(f"{field}[{i}].{name}", f"is required by {why}")
+
+
+def refuse_unread(sequences: list[Sequence], reads: tuple[str, ...], why: str, field: str = "sequences") -> None:
+    for i, seq in enumerate(sequences):
+        for name in _WEIGHTING_FIELDS:
+            if name not in reads and getattr(seq, name) is not None:
+                raise InvalidRequest(f"{field}[{i}].{name}", f"is not read by {why}: it would be ignored")
 
 
 @dataclass

@@ -92,6 +92,9 @@ class Sequence(_Strict):
     proximal_logprobs: TokenFloats | None = None
     """Recomputed proximal-policy log-probs for decoupled (off-policy) losses."""
     ref_logprobs: TokenFloats | None = None
+    is_weights: TokenFloats | None = None
+    """Importance weights the caller computed (verl's rollout correction: truncated pi_old / pi_rollout); each
+    token's policy-gradient term is multiplied by its weight. Only a loss that reads them accepts them."""
     returns: TokenFloats | None = None
     """The critic's regression targets (e.g. GAE's advantages + values), for the `value` loss."""
     old_values: TokenFloats | None = None
@@ -100,7 +103,7 @@ class Sequence(_Strict):
     """1 to train on a response token, 0 to ignore it. Default: all ones."""
 
     PER_TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs",
-                                                   "returns", "old_values", "loss_mask")
+                                                   "is_weights", "returns", "old_values", "loss_mask")
 
     def check(self, where: str) -> None:
         """Raise `InvalidRequest` naming the field if this sequence is inconsistent."""
@@ -125,8 +128,9 @@ class Sequence(_Strict):
                 raise InvalidRequest(f"{where}.{name}[{bad}]", f"is {values[bad]}, must be finite")
         if self.behaviour_logprobs is not None and np.max(self.behaviour_logprobs) > 1e-4:
             raise InvalidRequest(f"{where}.behaviour_logprobs", "log-probs must be <= 0")
-        if self.loss_mask is not None and np.min(self.loss_mask) < 0:
-            raise InvalidRequest(f"{where}.loss_mask", "must be >= 0")
+        for name in ("loss_mask", "is_weights"):
+            if getattr(self, name) is not None and np.min(getattr(self, name)) < 0:
+                raise InvalidRequest(f"{where}.{name}", "must be >= 0")
 
 
 class ProcessorSpec(_Strict):

@@ -78,6 +78,11 @@ def _bad_requests(backend):
     no_adv = good[1].model_copy(update={"advantages": None})
     yield "sequences[1].advantages", lambda: backend.fwd_bwd([good[0], no_adv], "grpo")
     yield "sequences[0].ref_logprobs", lambda: backend.fwd_bwd(good, LossSpec(name="grpo", config={"kl_loss_coef": 0.1}))
+    weighted = [seq.model_copy(update={"is_weights": [1.0] * len(seq.response_ids),
+                                       "behaviour_logprobs": [-1.0] * len(seq.response_ids)}) for seq in good]
+    yield "sequences[0].is_weights", lambda: backend.fwd_bwd(weighted, "gmpo")  # gmpo would ignore them
+    negative = weighted[1].model_copy(update={"is_weights": [-1.0] * len(good[1].response_ids)})
+    yield "sequences[1].is_weights", lambda: backend.fwd_bwd([weighted[0], negative], "grpo")
     out_of_vocab = good[0].model_copy(update={"response_ids": [10**6] * len(good[0].response_ids)})
     yield "sequences[0].response_ids", lambda: backend.fwd_bwd([out_of_vocab], "grpo")
     yield "loss.post[0].name", lambda: backend.fwd_bwd(good, {"name": "grpo", "post": [{"name": "nope"}]})

@@ -308,5 +308,51 @@ def test_sapo_gates_the_ratio_softly_by_the_advantages_sign():
     assert torch.allclose(grad, torch.tensor(expected), atol=1e-6)
     with pytest.raises(ValueError, match="both"):
         GRPOConfig(sapo_tau_pos=1.0)
-    with pytest.raises(ValueError, match="soft gate"):
+    with pytest.raises(ValueError, match="c_clip is PPO's dual clip .*not with sapo_tau_pos"):
         GRPOConfig(sapo_tau_pos=1.0, sapo_tau_neg=1.0, c_clip=3.0)
+
+
+def test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty():
+    # -(A logp - beta/2 (log r)^2), token mean; gradient -(A - beta log r) / 2.
+    loss, metrics, grad = ratios_setup([2.0, 0.5], [1.0, -1.0], dro_beta=0.5)
+    lp = [math.log(1.0), math.log(0.25)]
+    penalty = 0.25 * math.log(2.0) ** 2
+    assert loss == pytest.approx((-(lp[0] - penalty) - (-lp[1] - penalty)) / 2, rel=1e-6)
+    assert torch.allclose(grad, torch.tensor([-(1 - 0.5 * math.log(2)) / 2, -(-1 + 0.5 * math.log(2)) / 2]), atol=1e-6)
+    assert float(metrics["clip_frac"]) == 0
+    with pytest.raises(ValueError, match="dro_beta and use_cispo_loss|use_cispo_loss and dro_beta"):
+        GRPOConfig(dro_beta=0.1, use_cispo_loss=True)
+
+
+def test_dppo_tv_drops_tokens_whose_probability_moved_past_the_bound_in_the_advantages_direction():
+    # Old p = 0.5. p 0.75 with A > 0 moved +0.25 > 0.2: dropped; p 0.6 moved +0.1: kept with weight 1.2;
+    # p 0.25 with A < 0 moved -0.25: dropped; p 0.4 kept with weight 0.8. Each kept token: -w A logp.
+    loss, metrics, grad = ratios_setup([1.5, 1.2, 0.5, 0.8], [1.0, 1.0, -1.0, -1.0], dppo_divergence="tv", c_clip=3.0)
+    assert loss == pytest.approx((-1.2 * math.log(0.6) + 0.8 * math.log(0.4)) / 4, rel=1e-6)
+    assert torch.allclose(grad, torch.tensor([0.0, -1.2 / 4, 0.0, 0.8 / 4]), atol=1e-6)
+    assert float(metrics["clip_frac"]) == pytest.approx(0.5)
+
+
+def test_dppo_binary_kl_bounds_the_divergence_of_the_tokens_bernoulli_and_truncates_the_weight():
+    # p 0.5 -> 0.75 (A > 0): binary KL 0.5 ln(0.5/0.75) + 0.5 ln(0.5/0.25) = 0.1438 > 0.1, dropped; p 0.5 -> 0.25
+    # with A > 0 moves against the advantage: kept whatever its divergence.
+    loss, metrics, grad = ratios_setup([1.5, 0.5], [1.0, 1.0], dppo_divergence="binary_kl", eps_clip=0.1, c_clip=3.0)
+    assert loss == pytest.approx(-0.5 * math.log(0.25) / 2, rel=1e-6)
+    assert torch.allclose(grad, torch.tensor([0.0, -0.5 / 2]), atol=1e-6)
+    loss, _, _ = ratios_setup([1.5, 0.5], [1.0, 1.0], dppo_divergence="binary_kl", eps_clip=0.2, c_clip=3.0)
+    assert loss == pytest.approx((-1.5 * math.log(0.75) - 0.5 * math.log(0.25)) / 2, rel=1e-6)
+    # A ratio of 1.9 (p 0.95) truncated at c_clip 1.5: weight 1.5, counted in dual_clip_frac.
+    loss, metrics, grad = ratios_setup([1.9], [1.0], dppo_divergence="tv", eps_clip=0.5, c_clip=1.5)
+    assert loss == pytest.approx(-1.5 * math.log(0.95), rel=1e-6)
+    assert float(metrics["dual_clip_frac"]) == 1.0
+
+
+def test_importance_weights_multiply_each_tokens_policy_gradient_term():
+    old = [math.log(0.5)] * 2
+    logp = logp_leaf([math.log(0.5)] * 2)
+    inputs = make_inputs([0, 1], advantages=[1.0, -1.0], behaviour_logprobs=old, is_weights=[2.0, 0.5],
+                         ref_logprobs=[math.log(0.25)] * 2)
+    config = GRPOConfig(kl_loss_coef=0.1, kl_loss_type="k1")
+    loss, _ = grpo_loss({"logprobs": logp}, inputs, config)
+    # On policy: pg = -A at ratio 1, weighted; the KL term is not weighted.
+    assert loss.item() == pytest.approx((-2.0 + 0.5) / 2 + 0.1 * math.log(2), rel=1e-6)

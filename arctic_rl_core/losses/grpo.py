@@ -12,7 +12,13 @@ Per response token (logp: current policy, old: behaviour policy, A: advantage):
   pg     = min(pg, -A c_clip)   where A < 0                               (dual clip)
   pg     = -sg(clip(r, is_weight_clip_min, is_weight_clip_max)) A logp   (CISPO instead; bounds 1, 1: GPG's -A logp)
   pg     = -sigmoid(tau (r - 1)) (4 / tau) A,  tau = sapo_tau_pos (A > 0) or sapo_tau_neg   (SAPO instead)
+  pg     = -(A logp - dro_beta / 2 (logp - prox)^2)                        (DRO instead)
+  pg     = -sg(min(r, c_clip)) A logp, 0 where the token's probability moved past the clip in A's direction:
+           p - p_prox > eps_clip_higher (A > 0) or < -eps_clip (A < 0)  (dppo_divergence=tv);  binary KL
+           of the token's Bernoulli above the bound, p moving with A  (binary_kl)   (DPPO instead; r's log
+           clamped to +-20, c_clip defaults to 20)
   pg    *= sg(exp(prox - old)), tokens with weight > behav_imp_weight_cap masked   (decoupled)
+  pg    *= is_weights   (when the sequences carry them: the caller's importance weights)
   M2PO:  mask the tokens with the largest (prox - old)^2 until the rest's mean < m2_threshold
   KL     k1: logp - ref;   k3 / low_var_kl: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10]
   loss   = aggregate(pg, loss_agg_mode) + kl_loss_coef * aggregate(KL, kl_agg_mode or loss_agg_mode)
@@ -58,6 +64,11 @@ class GRPOConfig(BaseModel):
     sapo_tau_pos: float | None = Field(None, gt=0)
     """SAPO instead of PPO's clip: a soft gate on the ratio, this sharp where A > 0 (and `sapo_tau_neg` elsewhere)."""
     sapo_tau_neg: float | None = Field(None, gt=0)
+    dro_beta: float | None = Field(None, gt=0)
+    """DRO instead of PPO's clip: -A logp plus this times half the squared log-ratio to the proximal policy."""
+    dppo_divergence: Literal["tv", "binary_kl"] | None = None
+    """DPPO instead of PPO's clip: a token's plain gradient, truncated by c_clip, dropped once its probability has
+    moved past the clip bounds in its advantage's direction, measured by this divergence."""
     is_weight_clip_min: float = Field(0.0, ge=0)
     is_weight_clip_max: float = Field(5.0, gt=0)
     m2_threshold: float | None = Field(None, gt=0)
@@ -76,12 +87,20 @@ class GRPOConfig(BaseModel):
             raise ValueError("is_weight_clip_min must not be above is_weight_clip_max")
         if (self.sapo_tau_pos is None) != (self.sapo_tau_neg is None):
             raise ValueError("SAPO needs both sapo_tau_pos and sapo_tau_neg")
-        if self.sapo_tau_pos is not None and (self.use_cispo_loss or self.c_clip is not None
-                                              or self.importance_ratio == "sequence"):
-            raise ValueError("SAPO's soft gate replaces PPO's clip: not with use_cispo_loss, c_clip or a sequence ratio")
-        if self.importance_ratio == "sequence" and (self.use_cispo_loss or self.use_decoupled_loss):
+        replacements = [name for name, on in (("use_cispo_loss", self.use_cispo_loss),
+                                              ("sapo_tau_pos", self.sapo_tau_pos is not None),
+                                              ("dro_beta", self.dro_beta is not None),
+                                              ("dppo_divergence", self.dppo_divergence is not None)) if on]
+        if len(replacements) > 1:
+            raise ValueError(f"{' and '.join(replacements)} each replace PPO's clip: set one")
+        if replacements and replacements != ["dppo_divergence"] and self.c_clip is not None:
+            raise ValueError(f"c_clip is PPO's dual clip (DPPO's truncation): not with {replacements[0]}")
+        if replacements and self.importance_ratio == "sequence":
+            raise ValueError(f"importance_ratio 'sequence' (GSPO) is PPO's clip on a sequence ratio: not with "
+                             f"{replacements[0]}")
+        if self.importance_ratio == "sequence" and self.use_decoupled_loss:
             raise ValueError("importance_ratio 'sequence' (GSPO) is PPO's clip on a sequence ratio: not with "
-                             "use_cispo_loss or use_decoupled_loss")
+                             "use_decoupled_loss")
         return self
 
     def required_fields(self) -> tuple[str, ...]:
@@ -142,7 +161,18 @@ def m2po_keep_mask(second_moment: torch.Tensor, valid: torch.Tensor, threshold: 
     return keep
 
 
-@register_loss_fn("grpo", config=GRPOConfig, requires=("advantages",))
+def dppo_keep(logp: torch.Tensor, prox: torch.Tensor, adv: torch.Tensor, low: float, high: float, divergence: str):
+    """1 for tokens DPPO trains: those whose probability has not moved past the bound in the advantage's direction."""
+    p, p_prox = torch.exp(logp.detach()), torch.exp(prox)
+    if divergence == "tv":
+        up, down = (p - p_prox) <= high, (p - p_prox) >= -low
+    else:
+        binary_kl = p_prox * (prox - logp.detach()) + (1 - p_prox) * torch.log((1.0 - p_prox + 1e-8) / (1.0 - p + 1e-8))
+        up, down = (binary_kl <= high) | (p <= p_prox), (binary_kl <= low) | (p >= p_prox)
+    return torch.where(adv > 0, up, down).to(logp.dtype)
+
+
+@register_loss_fn("grpo", config=GRPOConfig, requires=("advantages",), reads=("is_weights",))
 def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPOConfig):
     logp = outputs["logprobs"]
     adv = inputs.advantages
@@ -175,6 +205,16 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
         tau = torch.where(adv > 0, torch.full_like(adv, config.sapo_tau_pos), torch.full_like(adv, config.sapo_tau_neg))
         pg = -torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * adv
         clipped = dual_clipped = zero
+    elif config.dro_beta is not None:
+        pg = -(adv * logp - 0.5 * config.dro_beta * (logp - prox) ** 2)
+        clipped = dual_clipped = zero
+    elif config.dppo_divergence is not None:
+        r = torch.exp((logp - prox).clamp(-20.0, 20.0)).detach()
+        truncation = 20.0 if config.c_clip is None else config.c_clip
+        trained = dppo_keep(logp, prox, adv, config.eps_clip, eps_high, config.dppo_divergence)
+        pg = -r.clamp(max=truncation) * adv * logp * trained
+        clipped = 1 - trained
+        dual_clipped = (r > truncation).to(logp.dtype) * trained
     else:
         unclipped = -adv * ratio
         clipped_loss = -adv * ratio.clamp(1 - config.eps_clip, 1 + eps_high)
@@ -186,6 +226,8 @@ def grpo_loss(outputs: dict[str, torch.Tensor], inputs: LossInputs, config: GRPO
             dual_clipped = ((adv < 0) & (pg > floor)).to(logp.dtype)
             pg = torch.where(adv < 0, torch.minimum(pg, floor), pg)
 
+    if inputs.is_weights is not None:
+        pg = pg * inputs.is_weights
     # `keep` drops tokens from the loss on top of the caller's mask; denominators stay batch-wide,
     # so a dropped token counts as "says nothing", as in AReaL and M2PO.
     active = (mask > 0).to(logp.dtype)

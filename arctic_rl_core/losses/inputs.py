@@ -40,6 +40,7 @@ class LossInputs:
     behaviour_version: torch.Tensor | None = None
     proximal_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
 

@@ -29,6 +29,8 @@ class Registered:
     config_model: type[pydantic.BaseModel] | None = None
     requires: tuple[str, ...] = ()
     """Per-token `Sequence` fields the function needs (e.g. "advantages")."""
+    reads: tuple[str, ...] = ()
+    """Optional per-token fields that change the loss when present ("is_weights"); others are refused."""
     source: str = ""
     """Where it came from: the defining module (the plugin manager adds the distribution)."""
     model: str = "policy"
@@ -72,17 +74,18 @@ class Registry:
         return sorted(self.entries)
 
 
-def _decorator(name: str, config: type[pydantic.BaseModel] | None, requires: tuple[str, ...], model: str):
+def _decorator(name: str, config: type[pydantic.BaseModel] | None, requires: tuple[str, ...], model: str,
+               reads: tuple[str, ...] = ()):
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        fn.arctic_rl_registered = Registered(name, fn, config, tuple(requires), f"{fn.__module__}.{fn.__qualname__}",
-                                             model)
+        fn.arctic_rl_registered = Registered(name, fn, config, tuple(requires), tuple(reads),
+                                             f"{fn.__module__}.{fn.__qualname__}", model)
         return fn
 
     return wrap
 
 
 def register_loss_fn(name: str, *, config: type[pydantic.BaseModel] | None = None, requires: tuple[str, ...] = (),
-                     model: str = "policy"):
+                     model: str = "policy", reads: tuple[str, ...] = ()):
     """Declare `fn(outputs, inputs, config) -> (loss, metrics)` as loss `name`.
 
     `outputs` maps "logprobs" (and "entropy" when the config asks for it) to
@@ -90,7 +93,7 @@ def register_loss_fn(name: str, *, config: type[pydantic.BaseModel] | None = Non
     `inputs` is a `LossInputs`; the loss must be a scalar normalised with the *global*
     denominators in `inputs` so that micro-batch losses add up to the batch loss.
     """
-    return _decorator(name, config, requires, model)
+    return _decorator(name, config, requires, model, reads)
 
 
 def register_post_processor(name: str, *, config: type[pydantic.BaseModel] | None = None):

@@ -91,20 +91,37 @@ def response_nested(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
-@pytest.mark.parametrize("loss_mode, agg", [("vanilla", "token-mean"), ("gspo", "seq-mean-token-mean"),
-                                            ("vanilla", "token-sum"), ("cispo", "token-mean"),
-                                            ("gpg", "seq-mean-token-sum"), ("geo_mean", "token-mean"),
-                                            ("sapo", "token-mean"), ("vanilla", "seq-mean-token-sum-norm")])
-def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client, loss_mode, agg):
+# verl's token probabilities on the tiny model are ~1e-3, so DPPO's bounds on a probability's move are set to that scale.
+DPPO_BOUNDS = {"clip_ratio_low": 2e-4, "clip_ratio_high": 2e-4}
+BYPASS_REINFORCE = {"loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 1.5}
+
+
+@pytest.mark.parametrize("loss_mode, agg, settings", [
+    ("vanilla", "token-mean", {}), ("gspo", "seq-mean-token-mean", {}), ("vanilla", "token-sum", {}),
+    ("cispo", "token-mean", {}), ("gpg", "seq-mean-token-sum", {}), ("geo_mean", "token-mean", {}),
+    ("sapo", "token-mean", {}), ("vanilla", "seq-mean-token-sum-norm", {"loss_scale_factor": 16}),
+    ("dro", "token-mean", {"dro_beta": 0.3}), ("dppo_tv", "token-mean", DPPO_BOUNDS),
+    ("dppo_kl", "seq-mean-token-mean", DPPO_BOUNDS), ("bypass_mode", "token-mean", {"rollout_correction": {}}),
+    ("bypass_mode", "seq-mean-token-sum", {"rollout_correction": BYPASS_REINFORCE}),
+    # verl's rollout correction in decoupled mode: per-token weights its trainer put in the batch.
+    ("vanilla", "token-mean", {"rollout_is_weights": True}),
+])
+def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model, server, client, loss_mode, agg,
+                                                                       settings):
     from transformers import AutoTokenizer
+    from verl.trainer.config import RolloutCorrectionConfig
     from verl.workers.config import PolicyLossConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     worker = worker_for(tiny_model, server)
+    settings = dict(settings)
+    weighted = settings.pop("rollout_is_weights", False)
+    policy = {key: settings.pop(key) for key in ("dro_beta", "rollout_correction") if key in settings}
+    if "rollout_correction" in policy:
+        policy["rollout_correction"] = RolloutCorrectionConfig(**policy["rollout_correction"])
     actor = ActorConfig(strategy="arctic_rl", rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
-                        clip_ratio_low=0.2, clip_ratio_high=0.28, use_kl_loss=False, loss_agg_mode=agg,
-                        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
-                        loss_scale_factor=16 if agg == "seq-mean-token-sum-norm" else None)
+                        **{"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, **settings}, use_kl_loss=False,
+                        loss_agg_mode=agg, policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy))
     worker.set_loss_fn(partial(ppo_loss, config=actor))
     td = grpo_batch(tokenizer)
     sequences = [Sequence(prompt_ids=p.tolist(), response_ids=r.tolist())
@@ -125,6 +142,8 @@ def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model
     advantages = [torch.full((len(lp),), float(a)) for lp, a in zip(expected.logprobs, torch.linspace(-1.5, 1.5, len(old)))]
     td["old_log_probs"] = response_nested(old)
     td["advantages"] = response_nested(advantages)
+    if weighted:
+        td["rollout_is_weights"] = response_nested([torch.linspace(0.2, 2.0, len(lp)) for lp in expected.logprobs])
     tu.pop(td, "compute_loss")
     tu.assign_non_tensor(td, global_batch_size=len(old), mini_batch_size=len(old), epochs=1, seed=0,
                          dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
@@ -141,8 +160,8 @@ def test_training_worker_log_probs_and_actor_update_through_arctic_rl(tiny_model
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
         if key in verl_metrics:  # gpg reports no clip statistics: it has no clip
             assert value(key) == pytest.approx(as_float(verl_metrics[key]), rel=1e-5, abs=1e-7), key
-    if loss_mode not in ("gpg", "sapo"):  # no clip to exercise: a plain gradient, a soft gate
-        assert 0 < value("actor/pg_clipfrac") < 1  # the clip range was exercised
+    if "actor/pg_clipfrac" in verl_metrics and loss_mode not in ("gpg", "sapo"):  # a plain gradient, a soft gate
+        assert 0 < value("actor/pg_clipfrac") < 1  # the clip range (DPPO: its bound) was exercised
     # Arctic RL's GRPO loss (what the backend differentiated) equals verl's vanilla PPO loss.
     assert value("arctic/loss") == pytest.approx(float(verl_loss), rel=1e-5, abs=1e-7)
     assert value("arctic/groups") == GROUPS  # every group arrived whole, in one fwd_bwd call
@@ -268,17 +287,28 @@ print(get_rollout_class("arctic_rl").__name__, RolloutReplicaRegistry.get("arcti
 @pytest.mark.parametrize("setting, refused", [
     ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "loss_agg_mode='seq-mean-token-sum-norm' needs "
                                                    "actor_rollout_ref.actor.loss_scale_factor"),
-    ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov': arctic_rl serves vanilla, gspo, cispo, gpg, sapo, geo_mean"),
+    ({"policy_loss": {"loss_mode": "clip_cov"}}, "policy_loss.loss_mode='clip_cov' \\(it picks tokens by a covariance "
+                                                 "over verl's micro-batch.*arctic_rl serves vanilla, gspo, cispo, gpg, "
+                                                 "sapo, dro, dppo_tv, dppo_kl, bypass_mode, geo_mean"),
+    ({"policy_loss": {"loss_mode": "dro"}}, "policy_loss.dro_beta=None: DRO needs a positive value"),
+    ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"rollout_rs": "token_k1"}}},
+     "rollout_correction.rollout_rs='token_k1': arctic_rl serves bypass_mode without rejection sampling"),
+    ({"policy_loss": {"loss_mode": "bypass_mode", "rollout_correction": {"loss_type": "reinforce", "rollout_is": "sequence"}}},
+     "rollout_is='sequence', rollout_is_threshold=2.0: arctic_rl serves token-level weights"),
     ({"use_kl_loss": True, "kl_loss_type": "mse"}, "kl_loss_type='mse' is not supported"),
 ])
 def test_loss_settings_it_cannot_honour_stop_the_run_when_the_actor_config_is_built(setting, refused):
     """verl builds the actor's config when its workers start, before any rollout."""
+    from verl.trainer.config import RolloutCorrectionConfig
     from verl.workers.config import PolicyLossConfig
 
     from arctic_rl_verl.config import ArcticActorConfig
 
     if "policy_loss" in setting:
-        setting = {"policy_loss": PolicyLossConfig(**setting["policy_loss"])}
+        policy = dict(setting["policy_loss"])
+        if "rollout_correction" in policy:
+            policy["rollout_correction"] = RolloutCorrectionConfig(**policy["rollout_correction"])
+        setting = {"policy_loss": PolicyLossConfig(**policy)}
     common = {"rollout_n": G, "ppo_mini_batch_size": GROUPS, "ppo_micro_batch_size_per_gpu": 4}
     ArcticActorConfig(**common)  # verl's defaults are served
     with pytest.raises(ValueError, match=refused):

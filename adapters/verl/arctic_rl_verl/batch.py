@@ -13,9 +13,42 @@ from tensordict import TensorDict
 
 from arctic_rl_core.types import LossSpec, Sequence
 
+def _dro(actor, low, high):
+    beta = actor.policy_loss.dro_beta
+    if beta is None or beta <= 0:
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.dro_beta={beta!r}: DRO needs a positive value")
+    return {"dro_beta": beta}
+
+
+def _bypass(actor, low, high):
+    """verl's bypass mode, where old log-probs are the rollout's: PPO's clip on that ratio, or REINFORCE with
+    truncated token-level importance weights (CISPO's weight with bounds 0 and the threshold). Rejection sampling,
+    sequence-level weights and batch normalisation are statistics of verl's micro-batch: refused."""
+    correction, where = actor.policy_loss.rollout_correction, "actor_rollout_ref.actor.policy_loss.rollout_correction"
+    for key in ("rollout_rs", "rollout_rs_threshold"):
+        if correction.get(key) is not None:
+            raise ValueError(f"{where}.{key}={correction.get(key)!r}: arctic_rl serves bypass_mode without rejection "
+                             "sampling")
+    if correction.get("rollout_is_batch_normalize", False):
+        raise ValueError(f"{where}.rollout_is_batch_normalize=True: the normalisation is over verl's micro-batch")
+    loss_type, level = correction.get("loss_type", "ppo_clip"), correction.get("rollout_is")
+    if loss_type == "ppo_clip":
+        return {"c_clip": actor.clip_ratio_c}
+    if loss_type != "reinforce":
+        raise ValueError(f"{where}.loss_type={loss_type!r}: arctic_rl serves ppo_clip, reinforce")
+    if level is None:
+        return {"use_cispo_loss": True, "is_weight_clip_min": 1.0, "is_weight_clip_max": 1.0}
+    threshold = correction.get("rollout_is_threshold", 2.0)
+    if level != "token" or not isinstance(threshold, (int, float)) or isinstance(threshold, bool):
+        raise ValueError(f"{where}.rollout_is={level!r}, rollout_is_threshold={threshold!r}: arctic_rl serves "
+                         "token-level weights truncated at one number")
+    return {"use_cispo_loss": True, "is_weight_clip_min": 0.0, "is_weight_clip_max": float(threshold)}
+
+
 # verl's policy_loss.loss_mode -> the GRPO loss's settings beside the clip range (low, high): PPO's clip with dual clip,
 # PPO's clip on GSPO's sequence ratio, CISPO's clipped stopped weight, GPG's plain -A logp (a weight of exactly 1),
-# SAPO's soft gate.
+# SAPO's soft gate, DRO's quadratic penalty, DPPO's divergence-masked truncated gradient, bypass mode.
+# clip_cov and kl_cov pick tokens by a covariance over verl's micro-batch (clip_cov at random): not served.
 LOSS_MODES = {
     "vanilla": lambda actor, low, high: {"c_clip": actor.clip_ratio_c},
     "gspo": lambda actor, low, high: {"importance_ratio": "sequence"},
@@ -25,6 +58,10 @@ LOSS_MODES = {
     # verl's SAPO aggregates its gated term per sequence whatever loss_agg_mode says (which its KL and entropy use).
     "sapo": lambda actor, low, high: {"sapo_tau_pos": actor.tau_pos, "sapo_tau_neg": actor.tau_neg,
                                       "loss_agg_mode": "seq-mean-token-mean"},
+    "dro": _dro,
+    "dppo_tv": lambda actor, low, high: {"dppo_divergence": "tv", "c_clip": actor.clip_ratio_c},
+    "dppo_kl": lambda actor, low, high: {"dppo_divergence": "binary_kl", "c_clip": actor.clip_ratio_c},
+    "bypass_mode": _bypass,
 }
 # verl's kl_loss_type -> Arctic RL's (the same formulas; k3 with the same clamps). Not the straight-through "+" kinds.
 KL_TYPES = {"kl": "k1", "k1": "k1", "low_var_kl": "low_var_kl", "k3": "k3"}
@@ -57,6 +94,8 @@ def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequenc
     advantages = _response_rows(data, "advantages")
     old = _response_rows(data, "old_log_probs")
     ref = _response_rows(data, "ref_log_prob")
+    # verl's rollout correction (decoupled mode): truncated pi_old / pi_rollout, computed by verl's trainer.
+    is_weights = _response_rows(data, "rollout_is_weights")
     returns = _response_rows(data, "returns") if critic else None
     old_values = _response_rows(data, "values") if critic else None
     return [
@@ -66,6 +105,7 @@ def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequenc
             advantages=None if advantages is None or critic else advantages[i],
             behaviour_logprobs=None if old is None or critic else old[i],
             ref_logprobs=None if ref is None or critic else ref[i],
+            is_weights=None if is_weights is None or critic else is_weights[i],
             returns=None if returns is None else returns[i],
             old_values=None if old_values is None else old_values[i],
         )
@@ -97,7 +137,9 @@ def loss_spec(actor_config, temperature: float) -> LossSpec:
     """Arctic RL's GRPO loss with the settings of verl's policy loss (`LOSS_MODES`)."""
     mode = actor_config.policy_loss.loss_mode
     if mode not in LOSS_MODES and mode != "geo_mean":
-        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}: arctic_rl serves "
+        why = (" (it picks tokens by a covariance over verl's micro-batch, which the backend does not see)"
+               if mode in ("clip_cov", "kl_cov") else "")
+        raise ValueError(f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}{why}: arctic_rl serves "
                          f"{', '.join(LOSS_MODES)}, geo_mean")
     agg = AGGREGATION.get(actor_config.loss_agg_mode)
     if agg is None:
