@@ -387,6 +387,44 @@ def test_checkpoints_resume_bitwise_without_a_disk_shared_with_the_server(tiny_m
         resumed.load_checkpoint(str(tmp_path))
 
 
+def critic_worker_for(model_path: str, url: str, **optim) -> TrainingWorker:
+    engine = ArcticEngineConfig(url=url, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
+                                infer_micro_batch_size_per_gpu=4)
+    worker = TrainingWorker(config=TrainingWorkerConfig(
+        model_type="value_model", model_config=HFModelConfig(path=model_path, use_remove_padding=True),
+        engine_config=engine, optimizer_config=OptimizerConfig(**{"lr": 1e-2, "clip_grad": 1.0, **optim}),
+        checkpoint_config=CheckpointConfig()))
+    worker.reset()
+    return worker
+
+
+def test_a_critic_checkpoint_resumes_bitwise_with_its_schedule(tiny_model, server, client, tmp_path):
+    """verl's critic worker saves and resumes the job's critic as the actor's worker does: resuming and stepping
+    gives the very state (both models) and the critic's learning rate of stepping on."""
+    worker = critic_worker_for(tiny_model, server, lr_warmup_steps=4, total_training_steps=10)
+    seq = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10], "returns": [0.5, -0.5, 1.0],
+            "old_values": [0.0, 0.0, 0.0]}]
+
+    def step(engine):
+        client.fwd_bwd(seq, "value", model="critic")
+        engine.optimizer_step()
+        engine.lr_scheduler_step()
+
+    step(worker.engine)
+    local = tmp_path / "global_step_1" / "critic"
+    worker.save_checkpoint(str(local))
+    step(worker.engine)
+    continued = client.state_digest(), client.status()["backend"]["critic"]["learning_rate"]
+    values = client.values(seq).values
+    step(worker.engine)  # wander off, then resume in a fresh critic worker (a restarted verl)
+    resumed = critic_worker_for(tiny_model, server, lr_warmup_steps=4, total_training_steps=10)
+    resumed.load_checkpoint(str(local))
+    step(resumed.engine)
+    assert (client.state_digest(), client.status()["backend"]["critic"]["learning_rate"]) == continued
+    assert client.values(seq).values == values
+    assert 0 < continued[1] < 1e-2  # mid warm-up: the schedule was resumed, not restarted
+
+
 def test_critic_values_and_value_loss_on_the_jobs_critic(tiny_model, server, client):
     """verl's critic worker (a value-model TrainingWorker) on the job's critic: `compute_values` gives the
     server's values in verl's layout; `update_critic` sends the mini-batch whole, and the value loss the backend
@@ -397,12 +435,7 @@ def test_critic_values_and_value_loss_on_the_jobs_critic(tiny_model, server, cli
     from arctic_rl_verl.config import ArcticCriticConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    engine = ArcticEngineConfig(url=server, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
-                                infer_micro_batch_size_per_gpu=4)
-    worker = TrainingWorker(config=TrainingWorkerConfig(
-        model_type="value_model", model_config=HFModelConfig(path=tiny_model, use_remove_padding=True),
-        engine_config=engine, optimizer_config=OptimizerConfig(lr=1e-2, clip_grad=1.0), checkpoint_config=CheckpointConfig()))
-    worker.reset()
+    worker = critic_worker_for(tiny_model, server)
     critic = ArcticCriticConfig(rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
                                 cliprange_value=0.2, model=HFModelConfig(path=tiny_model))
     worker.set_loss_fn(partial(value_loss, config=critic))
