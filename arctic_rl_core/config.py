@@ -88,6 +88,10 @@ class ReferenceConfig(_Config):
     """Defaults to the job's `model_path`: the policy's initial weights."""
     dtype: Dtype | None = None
     """Defaults to the engine's dtype."""
+    offload: bool = False
+    """Park the weights in pinned host memory between calls and copy them to the device for each call: the
+    device memory they take is the trainer's while the policy trains, for one host-to-device copy per call.
+    (On a CPU-only machine they live in host memory anyway.)"""
 
 
 class CriticConfig(_Config):

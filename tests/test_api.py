@@ -170,8 +170,9 @@ def test_sft_loss_through_fwd_bwd_lowers_nll(make_api):
 
 def test_the_reference_model_scores_the_initial_weights_while_the_policy_trains(make_api):
     """`source="reference"`: the frozen initial weights, ZoRRo-packed like the trainer's, in process and over HTTP;
-    the policy moves away from it, it does not move, and a GRPO KL term trains against it."""
-    backend = make_api(reference={"enable": True}, learning_rate=1e-2)
+    the policy moves away from it, it does not move, and a GRPO KL term trains against it. Its weights are parked
+    in host memory between calls (`offload`), which on this CPU machine is where they are anyway."""
+    backend = make_api(reference={"enable": True, "offload": True}, learning_rate=1e-2)
     seqs = grpo_batch()
     initial = backend.log_probs(seqs, with_entropy=True, temperature=0.7)
     reference = backend.log_probs(seqs, with_entropy=True, temperature=0.7, source="reference")
@@ -188,7 +189,7 @@ def test_the_reference_model_scores_the_initial_weights_while_the_policy_trains(
     assert again == backend.log_probs(seqs, source="reference").logprobs  # ... which did not move
     assert max(abs(a - b) for x, y in zip(again, [s.ref_logprobs for s in ref]) for a, b in zip(x, y)) < 1e-6
     described = backend.describe() if hasattr(backend, "describe") else backend.status()["backend"]
-    assert described["reference"]["zorro"] is True  # status names it
+    assert described["reference"]["zorro"] is True and described["reference"]["offload"] is True  # status names it
 
 
 def test_log_probs_of_a_reference_the_job_does_not_have_are_refused(make_api):

@@ -3,12 +3,14 @@
 It loads the policy's initial weights (or its own checkpoint) with the same attention as the trainer,
 so the backend's micro-batches (ZoRRo's prefix forests included) run through it unchanged and its
 log-probs are exact the same way: checked at load against the model's own forward, as the trainer's
-are. No optimizer, no gradients; it lives in the backend's process, on the trainer's device kind.
+are. No optimizer, no gradients; it lives in the backend's process, on the trainer's device kind, or, with
+`reference.offload`, in pinned host memory between calls (frozen weights need no copy back).
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -49,18 +51,55 @@ class ReferenceModel:
         self.weights_fingerprint = checkpoint_fingerprint(self.model_path)
         check_exactness(self.model, self.model, model, zorro=self.zorro_loaded, pad_id=pad_token_id(hf_config),
                         vocab_size=hf_config.vocab_size, device=self.device, dtype=dtype)
+        self.offload = rc.offload
+        if self.offload:
+            pin, copies = self.device.type == "cuda", {}
+            # Tied weights (an embedding shared with the output head) stay one tensor, parked and on the device.
+            self._parked = {key: copies.setdefault(id(t), t.detach().cpu().pin_memory() if pin else t.detach().cpu())
+                            for key, t in self._tensors().items()}
+            self._place(self._parked)
+
+    def _tensors(self) -> dict[tuple[torch.nn.Module, str, bool], torch.Tensor]:
+        """Every parameter and buffer, keyed by (module, name, is_parameter)."""
+        found = {}
+        for module in self.model.modules():
+            found.update({(module, name, True): p for name, p in module._parameters.items() if p is not None})
+            found.update({(module, name, False): b for name, b in module._buffers.items() if b is not None})
+        return found
+
+    def _place(self, tensors: dict) -> None:
+        for (module, name, is_parameter), tensor in tensors.items():
+            if is_parameter:
+                module._parameters[name].data = tensor
+            else:
+                module._buffers[name] = tensor
+
+    @contextmanager
+    def _resident(self):
+        """The weights on the device for one call; parked in host memory again after it."""
+        if not self.offload:
+            yield
+            return
+        on_device = {}
+        self._place({key: on_device.setdefault(id(t), t.to(self.device, non_blocking=True))
+                     for key, t in self._parked.items()})
+        try:
+            yield
+        finally:
+            self._place(self._parked)
 
     @torch.no_grad()
     def forward(self, micro_batches: list[MicroBatch], post, with_entropy: bool):
         """Per-token "logprobs" (and "entropy") of each micro-batch, as `TrainingEngine.forward` returns them."""
         results = []
-        for mb in micro_batches:
-            mb.inputs = inputs_on_device(mb.inputs, self.device)
-            out = response_outputs(self.model, mb, post, with_entropy, self.device)
-            results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in ("logprobs", "entropy")}))
+        with self._resident():
+            for mb in micro_batches:
+                mb.inputs = inputs_on_device(mb.inputs, self.device)
+                out = response_outputs(self.model, mb, post, with_entropy, self.device)
+                results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in ("logprobs", "entropy")}))
         return results
 
     def describe(self) -> dict:
         return {"model_path": self.model_path, "weights_fingerprint": self.weights_fingerprint, "zorro": self.zorro_loaded,
-                "device": str(self.device)}
+                "device": str(self.device), "offload": self.offload}
 
