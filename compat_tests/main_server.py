@@ -72,9 +72,11 @@ def tiny_qwen3(folder: Path) -> str:
 
 
 @contextmanager
-def serving_light(model: str, work: Path, engine: dict, *args: str, reference: bool = False):
+def serving_light(model: str, work: Path, engine: dict, *args: str, reference: bool = False, critic: bool = False):
     """`serving` a job on `model` with DeepSpeed and the transformers sampler (the quickest to start), its
-    checkpoints under `work/checkpoints`; with `reference`, a reference model of the initial weights."""
-    job = {"model_path": model, "sampler": {"name": "transformers"}, "engine": engine, "reference": {"enable": reference}}
+    checkpoints under `work/checkpoints`; with `reference`, a reference model of the initial weights; with `critic`,
+    a critic on the same decoder."""
+    job = {"model_path": model, "sampler": {"name": "transformers"}, "engine": engine, "reference": {"enable": reference},
+           "critic": {"enable": critic}}
     with serving(job, work, "--checkpoint-dir", str(work / "checkpoints"), *args) as url:
         yield url

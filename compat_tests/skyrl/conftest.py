@@ -29,10 +29,10 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
-    """`arctic-rl serve` with a job on the tiny model: DeepSpeed, the transformers sampler and a reference model (for
-    SkyRL's default KL loss), in the main environment."""
+    """`arctic-rl serve` with a job on the tiny model: DeepSpeed, the transformers sampler, a reference model (for
+    SkyRL's default KL loss) and a critic (for GAE), in the main environment."""
     engine = {"learning_rate": LEARNING_RATE, **OPTIMIZER}
-    with serving_light(tiny_model, tmp_path_factory.mktemp("server"), engine, reference=True) as url:
+    with serving_light(tiny_model, tmp_path_factory.mktemp("server"), engine, reference=True, critic=True) as url:
         yield url
 
 

@@ -118,6 +118,49 @@ def test_loss_and_gradient_equal_skyrls(policy_loss, reduction, terms):
     assert torch.allclose(ours_leaf.grad * loss_mask, theirs_leaf.grad * loss_mask, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("value_clip", ["0.2", "null"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_value_loss_and_gradient_equal_skyrls_critic_loss(value_clip, micro):
+    """The critic's `value` loss under the adapter's config against SkyRL's `ppo_critic_loss`, as its critic worker
+    runs it: per micro-batch, gradients averaged over the micro-batches."""
+    from arctic_rl_core.losses.value import ValueLossConfig, value_loss
+    from skyrl.backends.skyrl_train.utils.ppo_utils import ppo_critic_loss
+
+    from arctic_rl_skyrl.losses import critic_loss_spec
+
+    cfg = skyrl_config(f"trainer.algorithm.value_clip={value_clip}", "trainer.critic.model.path=/some/critic",
+                       f"trainer.micro_train_batch_size_per_gpu={micro}", "trainer.critic_mini_batch_size=2",
+                       "generator.n_samples_per_prompt=3")
+    check_algorithm(cfg)
+    _, old, _, loss_mask, _, _ = batch(seed=3)
+    returns = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(4))
+    values = old + torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(5)) * 0.5
+    theirs_leaf, ours_leaf = values.clone().requires_grad_(), values.clone().requires_grad_()
+    theirs, clipped = torch.zeros(()), []
+    for start in range(0, ROWS, micro):  # SkyRL's critic worker: each micro-batch's loss, then grad / micro-batches
+        rows = slice(start, start + micro)
+        loss, clipfrac = ppo_critic_loss(theirs_leaf[rows], old[rows], returns[rows], config=cfg.trainer.algorithm,
+                                         loss_mask=loss_mask[rows])
+        theirs, clipped = theirs + loss / (ROWS // micro), clipped + [clipfrac]
+
+    spec = critic_loss_spec(cfg)
+    take = lambda t: torch.cat([t[row, WIDTH - length:] for row, length in enumerate(LENGTHS)])  # noqa: E731
+    seq_index = torch.cat([torch.full((length,), row) for row, length in enumerate(LENGTHS)])
+    mask = take(loss_mask)
+    inputs = LossInputs(loss_mask=mask, seq_index=seq_index, group_index=seq_index // GROUP,
+                        seq_tokens=torch.zeros(ROWS).index_add_(0, seq_index, mask),
+                        group_tokens=torch.zeros(ROWS // GROUP).index_add_(0, seq_index // GROUP, mask),
+                        num_tokens=float(mask.sum()), num_sequences=ROWS, num_groups=ROWS // GROUP, weight_version=0,
+                        returns=take(returns), old_values=take(old))
+    ours, _ = value_loss({"values": take(ours_leaf)}, inputs, ValueLossConfig(**spec.config))
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    theirs.backward()
+    ours.backward()
+    assert torch.allclose(ours_leaf.grad * loss_mask, theirs_leaf.grad * loss_mask, rtol=1e-5, atol=1e-7)
+    if value_clip != "null":
+        assert any(0 < c < 1 for c in clipped)  # the clip engaged
+
+
 def test_clips_engage_in_this_batch():
     """The parity above is not vacuous: in its batch PPO's and CISPO's clips change the loss."""
     logp, old, *_ = batch(seed=1)
@@ -129,7 +172,10 @@ def test_clips_engage_in_this_batch():
     ("trainer.algorithm.policy_loss_type=clip_cov", "policy_loss_type"),
     ("trainer.algorithm.kl_estimator_type=k2", "kl_estimator_type"),
     ("trainer.update_ref_every_epoch=true", "update_ref_every_epoch"),
-    ("trainer.critic.model.path=/some/critic", "trainer.critic.model.path"),
+    ("trainer.critic.model.path=/some/critic trainer.critic_mini_batch_size=1 generator.n_samples_per_prompt=3 "
+     "trainer.micro_train_batch_size_per_gpu=2", "micro_train_batch_size_per_gpu=2 does not divide the critic's"),
+    ("trainer.critic.model.path=/some/critic generator.apply_overlong_filtering=true", "apply_overlong_filtering"),
+    ("trainer.algorithm.use_kl_loss=true generator.apply_overlong_filtering=true", "apply_overlong_filtering"),
     ("trainer.algorithm.off_policy_correction.tis_ratio_type=token", "off_policy_correction"),
     ("trainer.algorithm.use_tis=true", "use_tis"),
     ("trainer.algorithm.enable_sample_support_replay=true "

@@ -110,3 +110,25 @@ def test_multi_turn_episodes_of_skyrl_gym_train_on_arctic_rl(tiny_model, server,
     generated = client.status()["serving"]["requests"]["generate"] - before
     assert generated == round(turns[0] * BATCH * N)  # every turn sampled by the server
     assert_the_backend_trained_skyrls_loss(metrics)
+
+
+def test_ppo_with_gae_trains_skyrls_critic_on_the_jobs_critic(tiny_model, server, client, gsm8k_model, tmp_path):
+    """SkyRL's GAE: its critic is the job's. The values SkyRL's advantages are computed from come from `values`, each
+    critic mini-batch is one `fwd_bwd(model="critic")`, and the value loss the backend took gradients of equals SkyRL's
+    own `ppo_critic_loss` on the values of that forward, at every step."""
+    write_data(tmp_path)
+    before = client.status()["backend"]
+    probe = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]
+    values_before = client.values(probe).values
+    metrics = run_documented(server, tiny_model, tmp_path, STEPS, "trainer.algorithm.advantage_estimator=gae",
+                             f"trainer.critic.model.path={tiny_model}", "trainer.critic_mini_batch_size=1",
+                             "trainer.critic.optimizer_config.lr=1e-3")
+    after = client.status()["backend"]
+    for ours, skyrl in zip(metrics["critic/arctic_loss"], metrics["critic/critic_loss"], strict=True):
+        assert math.isclose(ours, skyrl, rel_tol=1e-5, abs_tol=1e-7), (ours, skyrl)
+    assert len(metrics["critic/critic_loss"]) == STEPS
+    assert metrics["critic/arctic_groups"] == [1.0] * STEPS  # each critic mini-batch, one whole group
+    assert after["critic"]["optimizer_steps"] - before["critic"]["optimizer_steps"] == STEPS * BATCH
+    assert after["optimizer_steps"] - before["optimizer_steps"] == STEPS * BATCH // MINI
+    assert client.values(probe).values != values_before  # the critic trained
+    assert_the_backend_trained_skyrls_loss(metrics)

@@ -72,7 +72,7 @@ def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, 
     dispatch.optim_step("policy")
     saved_dir = tmp_path / "global_step_1" / "policy"
     dispatch.save_checkpoint("policy", str(saved_dir))
-    saved, saved_lr = client.state_digest(), dispatch.schedule.get_last_lr()[0]
+    saved, saved_lr = client.state_digest(), dispatch.schedules["policy"].get_last_lr()[0]
     # SkyRL's folder holds only the record; the weights are in the server's checkpoint folder.
     assert os.listdir(saved_dir) == [RECORD_FILE]
     record = json.load(open(saved_dir / RECORD_FILE))
@@ -85,6 +85,32 @@ def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, 
     resumed = ArcticDispatch(cfg, client, num_training_steps=10)
     resumed.load_checkpoint("policy", str(saved_dir))
     assert client.state_digest() == saved
-    assert resumed.schedule.get_last_lr()[0] == saved_lr  # the warm-up continues where it was
+    assert resumed.schedules["policy"].get_last_lr()[0] == saved_lr  # the warm-up continues where it was
     with pytest.raises(ArcticSetupError, match=RECORD_FILE):
         resumed.load_checkpoint("policy", str(tmp_path))
+
+
+def test_the_critics_checkpoint_resumes_the_job_and_the_critics_schedule(server, client, tiny_model, tmp_path):
+    from skyrl.train.config import SkyRLTrainConfig
+
+    _, skyrl_overrides = split_overrides(overrides(server, tiny_model, f"trainer.critic.model.path={tiny_model}",
+                                                   "trainer.critic.optimizer_config.num_warmup_steps=4"))
+    cfg = SkyRLTrainConfig.from_cli_overrides(skyrl_overrides)
+    batch = [Sequence(prompt_ids=[5, 6, 7], response_ids=[20, 21, 22], returns=[0.5, -0.5, 1.0], old_values=[0.0] * 3)]
+    dispatch = ArcticDispatch(cfg, client, num_training_steps=10, critic_training_steps=10)
+
+    def critic_step(on):
+        client.fwd_bwd(batch, "value", model="critic")
+        on.optim_step("critic")
+
+    critic_step(dispatch)
+    saved_dir = tmp_path / "global_step_1" / "critic"
+    dispatch.save_checkpoint("critic", str(saved_dir))
+    critic_step(dispatch)
+    continued = client.state_digest(), client.status()["backend"]["critic"]["learning_rate"]
+    critic_step(dispatch)  # wander off, then resume in a fresh dispatch (a restarted SkyRL)
+    resumed = ArcticDispatch(cfg, client, num_training_steps=10, critic_training_steps=10)
+    resumed.load_checkpoint("critic", str(saved_dir))
+    critic_step(resumed)
+    assert (client.state_digest(), client.status()["backend"]["critic"]["learning_rate"]) == continued
+    assert 0 < continued[1] < cfg.trainer.critic.optimizer_config.lr  # mid warm-up: the critic's schedule resumed

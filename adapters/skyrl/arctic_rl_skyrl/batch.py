@@ -36,15 +36,19 @@ def response_lengths(data) -> list[int]:
 
 
 def sequences_from_batch(data, groups: list[str | None], behaviour_key: str | None = None,
-                         lengths: list[int] | None = None) -> list[Sequence]:
+                         lengths: list[int] | None = None, critic: bool = False) -> list[Sequence]:
     """One `Sequence` per row, with the advantages (already scaled by SkyRL's loss reduction), loss mask,
     reference log-probs (SkyRL's `base_action_log_probs`) and, when `behaviour_key` names one, the log-probs
-    the PPO ratio is taken against. `lengths`: the rows' response lengths, for a batch without its
-    `response_mask`."""
+    the PPO ratio is taken against; for the critic's update (`critic`), the returns and the values the batch was
+    scored with instead. `lengths`: the rows' response lengths, for a batch without its `response_mask`."""
     sequences, attention = data["sequences"], data["attention_mask"].bool()
     lengths = response_lengths(data) if lengths is None else lengths
-    advantages, loss_mask, reference = data.get("advantages"), data.get("loss_mask"), data.get("base_action_log_probs")
-    behaviour = data.get(behaviour_key) if behaviour_key else None
+    loss_mask = data.get("loss_mask")
+    if critic:
+        fields = {"returns": data.get("returns"), "old_values": data.get("values")}
+    else:
+        fields = {"advantages": data.get("advantages"), "ref_logprobs": data.get("base_action_log_probs"),
+                  "behaviour_logprobs": data.get(behaviour_key) if behaviour_key else None}
     out = []
     for row, length in enumerate(lengths):
         if length < 1:
@@ -52,8 +56,8 @@ def sequences_from_batch(data, groups: list[str | None], behaviour_key: str | No
         tokens = sequences[row][attention[row]].cpu().numpy()
         out.append(Sequence(
             prompt_ids=tokens[:-length], response_ids=tokens[-length:], group_id=groups[row],
-            advantages=_response(advantages, row, length), loss_mask=_response(loss_mask, row, length),
-            behaviour_logprobs=_response(behaviour, row, length), ref_logprobs=_response(reference, row, length),
+            loss_mask=_response(loss_mask, row, length),
+            **{name: _response(values, row, length) for name, values in fields.items()},
         ))
     return out
 

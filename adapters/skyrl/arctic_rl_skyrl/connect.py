@@ -1,19 +1,28 @@
 """Connecting to the Arctic RL server at start-up, before SkyRL builds anything: the server answers, its job
-trains the model SkyRL loaded (same shape and weights), with SkyRL's optimizer settings."""
+trains the model SkyRL loaded (same shape and weights), with SkyRL's optimizer settings, and, for GAE, its
+critic on SkyRL's critic model with the critic's optimizer settings."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from transformers import AutoConfig
 
 from arctic_rl_core import attach
 from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.client import ArcticRLClient
-from arctic_rl_skyrl.losses import uses_reference
+from arctic_rl_skyrl.losses import uses_critic, uses_reference
 from arctic_rl_skyrl.settings import PREFIX, ArcticSettings
 
 PROXY = "generator.inference_engine.external_proxy_url"
 KEYS = attach.Keys(url=f"{PREFIX}url", model="trainer.policy.model.path", optimizer="trainer.policy.optimizer_config",
                    framework="SkyRL")
+CRITIC_KEYS = replace(KEYS, model="trainer.critic.model.path", optimizer="trainer.critic.optimizer_config")
+OPTIMIZER_NAMES = {"weight_decay": "weight_decay", "betas": "adam_betas", "grad_clip": "max_grad_norm"}
+
+
+def _optimizer(optim) -> dict:
+    return attach.optimizer_settings(optim.weight_decay, optim.adam_betas, optim.max_grad_norm)
 
 
 def check_inference(cfg, settings: ArcticSettings) -> None:
@@ -42,16 +51,22 @@ def check_inference(cfg, settings: ArcticSettings) -> None:
 def connect(cfg, settings: ArcticSettings) -> ArcticRLClient:
     client, status = attach.reach(settings.url, settings.token_env, settings.timeout_s, KEYS)
     optim = cfg.trainer.policy.optimizer_config
-    ours = attach.optimizer_settings(optim.weight_decay, optim.adam_betas, optim.max_grad_norm)
+    ours = _optimizer(optim)
     model_path = cfg.trainer.policy.model.path
     job = {"model_path": model_path, "engine": {"learning_rate": optim.lr, **ours}}
     if uses_reference(cfg):
         ref_path = cfg.trainer.ref.model.path
         job["reference"] = {"enable": True, "model_path": None if ref_path == model_path else ref_path}
+    if uses_critic(cfg):
+        critic = cfg.trainer.critic
+        job["critic"] = {"enable": True, "model_path": None if critic.model.path == model_path else critic.model.path,
+                         "engine": {"learning_rate": critic.optimizer_config.lr, **_optimizer(critic.optimizer_config)}}
     status = attach.start_or_get_job(client, status, job)
     attach.check_model(model_path, AutoConfig.from_pretrained(model_path).to_dict(), status, KEYS)
-    attach.check_optimizer(ours, status, {"weight_decay": "weight_decay", "betas": "adam_betas", "grad_clip": "max_grad_norm"},
-                           KEYS)
+    attach.check_optimizer(ours, status, OPTIMIZER_NAMES, KEYS)
     if uses_reference(cfg):
         attach.check_reference(cfg.trainer.ref.model.path, status, "trainer.ref.model.path")
+    if uses_critic(cfg):
+        served = attach.check_critic(cfg.trainer.critic.model.path, status, CRITIC_KEYS.model)
+        attach.check_optimizer(_optimizer(cfg.trainer.critic.optimizer_config), served, OPTIMIZER_NAMES, CRITIC_KEYS)
     return client

@@ -5,8 +5,10 @@ same calls for the policy (`"policy"`): `forward` (old log-probs) is one `log_pr
 each mini-batch's `forward_backward_from_staged` one `fwd_bwd` with the mini-batch whole, so its
 GRPO groups arrive together and ZoRRo computes each shared prompt once, and `optim_step` one
 `step` at the learning rate of SkyRL's own schedule. `save_weights_for_sampler` is
-`sync_weights`: the sampler SkyRL's generator talks to is the server's. The weights live in the
-backend; this process holds none.
+`sync_weights`: the sampler SkyRL's generator talks to is the server's. SkyRL's critic (`"critic"`, for GAE)
+is the job's critic: `forward` is `values`, each mini-batch one `fwd_bwd(model="critic")` with the value
+loss of SkyRL's `ppo_critic_loss`, `optim_step` one `step(model="critic")` at the rate of the critic's
+schedule. The weights live in the backend; this process holds none.
 
 The metrics SkyRL logs (`policy/policy_loss`, `policy/loss_metrics/clip_ratio`, ...) are SkyRL's own
 loss code evaluated, micro-batch by micro-batch as its worker would, on the log-probs of the
@@ -25,11 +27,10 @@ from arctic_rl_core import checkpoint_handles
 from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.client import ArcticRLClient
 from arctic_rl_skyrl.batch import group_ids, response_lengths, right_aligned, sequences_from_batch
-from arctic_rl_skyrl.losses import behaviour_key, loss_spec
+from arctic_rl_skyrl.losses import behaviour_key, critic_loss_spec, loss_spec, uses_critic
 
-POLICY = "policy"
 SCORED = {"policy": "trainer", "ref": "reference"}
-"""SkyRL's models the backend scores, and where: the policy's current weights, the job's reference model."""
+"""SkyRL's models the backend scores log-probs with, and where: the policy's current weights, the reference model."""
 
 
 def lr_schedule(optim, num_training_steps: int | None):
@@ -56,15 +57,20 @@ def _find_rows(rows: torch.Tensor, wanted: torch.Tensor) -> list[int]:
 
 
 class ArcticDispatch:
-    def __init__(self, cfg, client: ArcticRLClient, num_training_steps: int | None):
+    def __init__(self, cfg, client: ArcticRLClient, num_training_steps: int | None,
+                 critic_training_steps: int | None = None):
         self.cfg = cfg
         self.client = client
         self.loss = loss_spec(cfg)
         self.behaviour_key = behaviour_key(cfg)
         self.temperature = cfg.trainer.algorithm.temperature or 1.0
-        self.num_training_steps = num_training_steps
-        self.schedule = lr_schedule(cfg.trainer.policy.optimizer_config, num_training_steps)
+        self.trained = ("policy", "critic") if uses_critic(cfg) else ("policy",)
+        self.num_training_steps = {"policy": num_training_steps, "critic": critic_training_steps}
+        self.schedules = {model: self._schedule(model) for model in self.trained}
         self._rows = None
+
+    def _schedule(self, model: str):
+        return lr_schedule(getattr(self.cfg.trainer, model).optimizer_config, self.num_training_steps[model])
 
     def expect_rows(self, training_input) -> None:
         """The batch whose log-probs SkyRL is about to ask for: its forward passes carry only the token rows
@@ -80,11 +86,10 @@ class ArcticDispatch:
         index = _find_rows(rows, data["sequences"])
         return [lengths[i] for i in index], [groups[i] for i in index]
 
-    @staticmethod
-    def _policy(model: str) -> None:
-        if model != POLICY:
-            raise ArcticSetupError(f"SkyRL asked the Arctic RL backend to train its {model!r} model; it trains the "
-                                   "policy only")
+    def _check_trained(self, model: str) -> None:
+        if model not in self.trained:
+            raise ArcticSetupError(f"SkyRL asked the Arctic RL backend to train its {model!r} model; it trains "
+                                   f"{' and '.join(self.trained)} here")
 
     # -- placement: the backend places and offloads itself -----------------------------------------------
 
@@ -127,22 +132,26 @@ class ArcticDispatch:
     def forward(self, model: str, data, loss_fn=None, loss_fn_config=None, model_id=None):
         from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 
-        if model not in SCORED:
+        served = (*SCORED, "critic") if "critic" in self.trained else tuple(SCORED)
+        if model not in served:
             raise ArcticSetupError(f"SkyRL asked the Arctic RL backend for its {model!r} model; it serves "
-                                   f"{', '.join(SCORED)}")
+                                   f"{', '.join(served)}")
         if loss_fn is not None:
             raise ArcticSetupError(f"loss_fn={loss_fn!r}: the Arctic RL dispatch serves SkyRL's PPO trainer, whose "
                                    "forward passes take no loss")
         lengths, groups = self._row_layout(data)
         sequences = sequences_from_batch(data, groups, lengths=lengths)
-        scored = self.client.log_probs(sequences, temperature=self.temperature, source=SCORED[model])
         width = data.metadata["response_length"]
+        if model == "critic":
+            rows = right_aligned(self.client.values(sequences).values, width)
+            return WorkerOutput(loss_fn_outputs=[{"values": row.tolist()} for row in rows], metrics={})
+        scored = self.client.log_probs(sequences, temperature=self.temperature, source=SCORED[model])
         rows = right_aligned(scored.logprobs, width)
         return WorkerOutput(loss_fn_outputs=[{"logprobs": row.tolist()} for row in rows], metrics={})
 
     def stage_data(self, model: str, data, mini_batch_boundaries) -> list:
         """The mini-batches, each with its GRPO groups (SkyRL's prompt boundaries, rebased to the mini-batch)."""
-        self._policy(model)
+        self._check_trained(model)
         prompts = data.metadata.get("policy_prompt_boundaries") or []
         staged = []
         for start, end in mini_batch_boundaries:
@@ -161,10 +170,12 @@ class ArcticDispatch:
     def forward_backward_from_staged(self, model: str, chunk, loss_fn=None, loss_fn_config=None, model_id=None):
         from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
 
-        self._policy(model)
+        self._check_trained(model)
         if loss_fn is not None or loss_fn_config:
             raise ArcticSetupError("a per-call loss_fn: the Arctic RL dispatch trains with trainer.algorithm's loss")
         data, groups = chunk
+        if model == "critic":
+            return self._critic_forward_backward(data, groups)
         sequences = sequences_from_batch(data, groups, self.behaviour_key)
         result = self.client.fwd_bwd(sequences, self.loss, return_logprobs=True, with_entropy=True)
         metrics = self._skyrl_metrics(data, result.logprobs, result.entropy)
@@ -174,6 +185,32 @@ class ArcticDispatch:
                        arctic_computed_tokens=float(result.computed_tokens),
                        arctic_row_tokens=float(sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)))
         return WorkerOutput(loss_fn_outputs=[{"logprobs": lp} for lp in result.logprobs], metrics=metrics)
+
+    def _critic_forward_backward(self, data, groups):
+        """One mini-batch of SkyRL's critic update; its metrics are SkyRL's own `ppo_critic_loss` evaluated, micro-batch
+        by micro-batch, on the values of the backend's forward."""
+        from skyrl.backends.skyrl_train.distributed.dispatch import WorkerOutput
+        from skyrl.backends.skyrl_train.utils.ppo_utils import ppo_critic_loss
+        from skyrl.backends.skyrl_train.utils.torch_utils import masked_mean
+        from skyrl.backends.skyrl_train.workers.worker_utils import reduce_metrics
+
+        sequences = sequences_from_batch(data, groups, critic=True)
+        result = self.client.fwd_bwd(sequences, critic_loss_spec(self.cfg), model="critic")
+        values_all = right_aligned(result.values, data["response_mask"].shape[1])
+        rows, micro = len(data), self.cfg.trainer.micro_train_batch_size_per_gpu
+        collected: dict[str, list[float]] = defaultdict(list)
+        for start in range(0, rows, micro):
+            end = min(start + micro, rows)
+            mb, values = data[start:end], values_all[start:end]
+            loss, clipfrac = ppo_critic_loss(values, mb["values"], mb["returns"], config=self.cfg.trainer.algorithm,
+                                             loss_mask=mb["loss_mask"])
+            status = {"critic_loss": float(loss), "values_mean": float(masked_mean(values, mb["loss_mask"])),
+                      "values_clipfrac": clipfrac, "critic_lr": self.schedules["critic"].get_last_lr()[0]}
+            for key, value in status.items():
+                collected[key].append(value)
+        metrics = reduce_metrics(dict(collected))
+        metrics.update(arctic_loss=result.loss, arctic_groups=float(len(set(groups))))
+        return WorkerOutput(loss_fn_outputs=[{"values": v} for v in result.values], metrics=metrics)
 
     def _skyrl_metrics(self, data, logprobs: list[list[float]], entropy: list[list[float]]) -> dict[str, float]:
         """SkyRL's worker metrics for this mini-batch, from SkyRL's own functions over its micro-batches."""
@@ -206,7 +243,7 @@ class ArcticDispatch:
             penalties = kl * algorithm.kl_loss_coef - bonus
             status = {"final_loss": float(policy_loss + penalties * (end - start) / rows),
                       "policy_loss": float(policy_loss), "policy_entropy": float(mb_entropy),
-                      "response_length": width, "policy_lr": self.schedule.get_last_lr()[0]}
+                      "response_length": width, "policy_lr": self.schedules["policy"].get_last_lr()[0]}
             status.update({f"loss_metrics/{k}": v for k, v in loss_metrics.items()})
             if algorithm.use_kl_loss:
                 status["policy_kl"] = float(kl)
@@ -216,9 +253,9 @@ class ArcticDispatch:
         return reduce_metrics(dict(collected), sum_loss_metrics=True)
 
     def optim_step(self, model: str, model_id=None) -> float | None:
-        self._policy(model)
-        grad_norm = self.client.step(self.schedule.get_last_lr()[0]).grad_norm
-        _advance(self.schedule)
+        self._check_trained(model)
+        grad_norm = self.client.step(self.schedules[model].get_last_lr()[0], model=model).grad_norm
+        _advance(self.schedules[model])
         return grad_norm
 
     # -- weights and checkpoints stay in the backend ---------------------------------------------------------
@@ -228,10 +265,11 @@ class ArcticDispatch:
 
     def save_checkpoint(self, model: str, ckpt_dir: str, tokenizer=None, model_id=None) -> None:
         """The server saves under its own checkpoint folder; SkyRL's folder records which checkpoint that is, so
-        save and resume work whether or not the two machines share a disk."""
-        self._policy(model)
+        save and resume work whether or not the two machines share a disk. Each record restores the whole job
+        (policy and critic); its schedule position is `model`'s."""
+        self._check_trained(model)
         # The schedule's own position: the job's step count also holds steps taken outside this run.
-        checkpoint_handles.save(self.client, "skyrl", ckpt_dir, schedule_steps=self.schedule.last_epoch,
+        checkpoint_handles.save(self.client, "skyrl", ckpt_dir, schedule_steps=self.schedules[model].last_epoch,
                                 server=self.client.url)
 
     def finalize_pending_saves(self, model: str) -> None:
@@ -239,7 +277,7 @@ class ArcticDispatch:
 
     def load_checkpoint(self, model: str, ckpt_dir: str, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, model_id=None) -> None:
-        self._policy(model)
+        self._check_trained(model)
         if not (load_optimizer_states and load_lr_scheduler_states):
             raise ArcticSetupError("loading a checkpoint without its optimizer or schedule state: the Arctic RL job "
                                    "restores both with the weights")
@@ -247,9 +285,9 @@ class ArcticDispatch:
             record = checkpoint_handles.load(self.client, ckpt_dir)
         except checkpoint_handles.NoCheckpointRecord as err:
             raise ArcticSetupError(str(err)) from None
-        self.schedule = lr_schedule(self.cfg.trainer.policy.optimizer_config, self.num_training_steps)
+        self.schedules[model] = self._schedule(model)
         for _ in range(record["schedule_steps"]):  # the schedule continues where it was saved
-            _advance(self.schedule)
+            _advance(self.schedules[model])
 
     def save_hf_model(self, model: str, export_dir: str, tokenizer) -> None:
         raise ArcticSetupError("trainer.hf_save_interval: the weights are the Arctic RL server's; export them from "

@@ -25,6 +25,11 @@ def uses_reference(cfg) -> bool:
     return bool(cfg.trainer.algorithm.use_kl_loss or cfg.trainer.algorithm.use_kl_in_reward)
 
 
+def uses_critic(cfg) -> bool:
+    """Whether SkyRL holds a critic (GAE and other value-based advantage estimators)."""
+    return bool(cfg.trainer.critic.model.path)
+
+
 def _off_policy_correction_on(opc) -> bool:
     return (opc.tis_ratio_type is not None or opc.sequence_mask_metric is not None
             or opc.outlier_token_is_threshold_low is not None or opc.outlier_token_is_threshold_high is not None
@@ -42,9 +47,21 @@ def check_algorithm(cfg) -> None:
                                f"term serves {', '.join(KL_ESTIMATORS)}")
     if cfg.trainer.update_ref_every_epoch:
         raise ArcticSetupError("trainer.update_ref_every_epoch: the Arctic RL job's reference model is frozen")
-    if cfg.trainer.critic.model.path:
-        raise ArcticSetupError("trainer.critic.model.path is set: the Arctic RL job serves the policy only, not a "
-                               f"critic (use a critic-free {ALGORITHM}.advantage_estimator such as grpo)")
+    if uses_critic(cfg) and cfg.trainer.max_tokens_per_microbatch <= 0:
+        rows = cfg.trainer.critic_mini_batch_size * cfg.generator.n_samples_per_prompt
+        micro = cfg.trainer.micro_train_batch_size_per_gpu
+        if rows % micro or cfg.generator.step_wise_trajectories:
+            # SkyRL averages its micro-batches' per-sequence means: a short last micro-batch weighs its rows more.
+            raise ArcticSetupError(f"trainer.micro_train_batch_size_per_gpu={micro} does not divide the critic's "
+                                   f"mini-batch of {rows} rows: SkyRL's value loss then depends on its micro-batching")
+    if cfg.generator.apply_overlong_filtering and (uses_critic(cfg) or algorithm.use_kl_loss):
+        # It zeroes whole rows' loss masks; SkyRL's per-sequence means (its KL loss, its value loss) still count
+        # those rows, the backend's count the sequences with a trained token.
+        raise ArcticSetupError("generator.apply_overlong_filtering with a critic or use_kl_loss: SkyRL's per-sequence "
+                               "means then count rows without a trained token, which the backend does not")
+    if uses_critic(cfg) and getattr(cfg.trainer.critic.model, "lora", None) is not None \
+            and getattr(cfg.trainer.critic.model.lora, "rank", 0):
+        raise ArcticSetupError("trainer.critic.model.lora.rank > 0: the Arctic RL job trains the critic's full weights")
     if algorithm.use_tis or _off_policy_correction_on(algorithm.off_policy_correction):
         key = "use_tis" if algorithm.use_tis else "off_policy_correction"
         raise ArcticSetupError(f"{ALGORITHM}.{key}: SkyRL's off-policy correction is not mapped onto the backend's "
@@ -99,6 +116,13 @@ def loss_spec(cfg) -> LossSpec:
     temperature = algorithm.temperature if algorithm.temperature is not None else 1.0
     post = [{"name": "apply_temperature", "config": {"temperature": temperature}}] if temperature != 1.0 else []
     return LossSpec(name="grpo", config=config, post=post)
+
+
+def critic_loss_spec(cfg) -> LossSpec:
+    """The backend's `value` loss for SkyRL's `ppo_critic_loss`: the clipped (`value_clip`; none when null) squared
+    error, halved, a token mean per sequence averaged over the mini-batch's sequences."""
+    clip = cfg.trainer.algorithm.value_clip
+    return LossSpec(name="value", config={"cliprange_value": clip, "loss_agg_mode": "seq-mean-token-mean"})
 
 
 def behaviour_key(cfg) -> str:

@@ -20,12 +20,12 @@ from arctic_rl_skyrl.dispatch import ArcticDispatch
 from arctic_rl_skyrl.losses import uses_reference
 
 
-def policy_training_steps(cfg, total_training_steps: int | None) -> int | None:
-    """Optimizer steps over the run, as SkyRL counts them for its policy's schedule."""
+def training_steps(cfg, total_training_steps: int | None, model: str = "policy") -> int | None:
+    """Optimizer steps over the run, as SkyRL counts them for the schedule of `model` ("policy", "critic")."""
     if total_training_steps is None:
         return None
-    per_batch = cfg.trainer.train_batch_size // cfg.trainer.policy_mini_batch_size * cfg.trainer.update_epochs_per_batch
-    return total_training_steps * per_batch
+    mini_batch = getattr(cfg.trainer, f"{model}_mini_batch_size")
+    return total_training_steps * (cfg.trainer.train_batch_size // mini_batch * cfg.trainer.update_epochs_per_batch)
 
 
 class ArcticPPOTrainer(RayPPOTrainer):
@@ -33,10 +33,11 @@ class ArcticPPOTrainer(RayPPOTrainer):
 
     def build_models(self, PolicyWorker=None, CriticWorker=None, RefWorker=None):
         self.policy_model = self.critic_model = None
-        # SkyRL asks for reference log-probs when it holds a reference model: the job's serves them.
+        # SkyRL asks for reference log-probs when it holds a reference model: the job's serves them. Its critic
+        # (GAE) is the job's critic, which SkyRL reaches through the dispatch under "critic".
         self.ref_model = "the Arctic RL job's reference model" if uses_reference(self.cfg) else None
-        self.dispatch = ArcticDispatch(self.cfg, self.client,
-                                       policy_training_steps(self.cfg, self.total_training_steps))
+        self.dispatch = ArcticDispatch(self.cfg, self.client, training_steps(self.cfg, self.total_training_steps),
+                                       training_steps(self.cfg, self.total_training_steps, "critic"))
         logger.info(f"policy training delegated to the Arctic RL server at {self.client.url}")
 
     def fwd_logprobs_values_reward(self, training_input):
