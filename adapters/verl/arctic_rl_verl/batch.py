@@ -71,14 +71,27 @@ AGGREGATION = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-toke
                "seq-mean-token-sum-norm": "seq-mean-token-sum-norm"}
 
 
-def _rows(tensor: torch.Tensor) -> list[torch.Tensor]:
-    return list(tensor.unbind()) if tensor.is_nested else list(tensor)
+def _rows(tensor: torch.Tensor, dtype=None) -> list[np.ndarray]:
+    """A batch's rows as numpy views: for verl's jagged tensors, slices of one conversion of the values (a torch
+    `unbind` per row costs more than everything else the adapter does to a batch)."""
+    if not tensor.is_nested:
+        return list(tensor.cpu().numpy() if dtype is None else tensor.to(dtype).cpu().numpy())
+    values = tensor.values() if dtype is None else tensor.values().to(dtype)
+    values, offsets = values.cpu().numpy(), tensor.offsets().cpu().numpy()
+    lengths = tensor.lengths()
+    ends = offsets[1:] if lengths is None else offsets[:-1] + lengths.cpu().numpy()
+    return [values[start:end] for start, end in zip(offsets[:-1], ends)]
+
+
+def _row_lengths(tensor: torch.Tensor) -> np.ndarray:
+    if not tensor.is_nested:
+        return np.full(tensor.shape[0], tensor.shape[1])
+    lengths = tensor.lengths()
+    return np.diff(tensor.offsets().cpu().numpy()) if lengths is None else lengths.cpu().numpy()
 
 
 def _response_rows(data: TensorDict, key: str) -> list[np.ndarray] | None:
-    if key not in data.keys():
-        return None
-    return [row.float().cpu().numpy() for row in _rows(data[key])]
+    return _rows(data[key], torch.float32) if key in data.keys() else None
 
 
 def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequence]:
@@ -86,9 +99,10 @@ def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequenc
     fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, the reference's
     log-probs, mask); for the critic's update (`critic`), its returns and the values it was scored with.
     Rows are numpy views of the batch's tensors, which the client sends without copying into lists."""
-    prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
-    if not prompts[0].dim() == 1 or "attention_mask" in data.keys() and not data["prompts"].is_nested:
+    if data["prompts"].dim() != 2 or "attention_mask" in data.keys() and not data["prompts"].is_nested:
+
         raise ValueError("arctic_rl expects verl's no-padding batches (jagged rows); padded batches are not supported")
+    prompts, responses = _rows(data["prompts"]), _rows(data["responses"])
     uids = list(data["uid"]) if "uid" in data.keys() else [None] * len(prompts)
     mask = _response_rows(data, "response_mask")
     advantages = _response_rows(data, "advantages")
@@ -100,7 +114,7 @@ def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequenc
     old_values = _response_rows(data, "values") if critic else None
     return [
         Sequence(
-            prompt_ids=p.cpu().numpy(), response_ids=r.cpu().numpy(), group_id=None if uid is None else str(uid),
+            prompt_ids=p, response_ids=r, group_id=None if uid is None else str(uid),
             loss_mask=None if mask is None else mask[i],
             advantages=None if advantages is None or critic else advantages[i],
             behaviour_logprobs=None if old is None or critic else old[i],
@@ -115,12 +129,13 @@ def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequenc
 
 def full_row_layout(per_response: list[list[float]], data: TensorDict) -> torch.Tensor:
     """Response log-probs (or entropies) placed where verl reads them in a jagged full-row tensor."""
-    rows = []
-    for values, p, r in zip(per_response, _rows(data["prompts"]), _rows(data["responses"])):
-        row = torch.zeros(len(p) + len(r), dtype=torch.float32)
-        row[len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(values, dtype=torch.float32)
-        rows.append(row)
-    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    prompt_lengths, response_lengths = _row_lengths(data["prompts"]), _row_lengths(data["responses"])
+    offsets = np.concatenate([[0], np.cumsum(prompt_lengths + response_lengths)])
+    flat = np.zeros(offsets[-1], dtype=np.float32)
+    for values, start, p, r in zip(per_response, offsets, prompt_lengths, response_lengths):
+        flat[start + p - 1 : start + p - 1 + r] = values
+    rows = torch.from_numpy(flat).split((prompt_lengths + response_lengths).tolist())
+    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
 def batch_temperature(data: TensorDict) -> float:
