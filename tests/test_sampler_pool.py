@@ -77,7 +77,9 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
             def ask(i):
                 return httpx.post(f"{url}/v1/completions", timeout=120, headers={"X-Session-Id": f"s{i}"}, json={
                     "model": tiny_model, "prompt": PROMPTS[i], "max_tokens": 4, "logprobs": 2,
-                    "return_token_ids": True}).json()
+                    # Top log-probs are keyed by token text, where two tokens of the random model can decode
+                    # alike: keyed by id, each of the 2 asked for is its own entry.
+                    "return_token_ids": True, "return_tokens_as_token_ids": True}).json()
             with ThreadPoolExecutor(len(PROMPTS)) as threads:
                 answers = list(threads.map(ask, range(len(PROMPTS))))
             for i, answer in enumerate(answers):
