@@ -46,10 +46,11 @@ def rendezvous():
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def worker_for(model_path: str, url: str, **optim) -> TrainingWorker:
+def worker_for(model_path: str, url: str, model_type: str = "language_model", **optim) -> TrainingWorker:
+    """verl's TrainingWorker on the arctic_rl engine: the actor's (`language_model`) or the critic's (`value_model`)."""
     engine = ArcticEngineConfig(url=url, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
                                 infer_micro_batch_size_per_gpu=4)
-    config = TrainingWorkerConfig(model_type="language_model", model_config=HFModelConfig(path=model_path, use_remove_padding=True),
+    config = TrainingWorkerConfig(model_type=model_type, model_config=HFModelConfig(path=model_path, use_remove_padding=True),
                                   engine_config=engine, optimizer_config=OptimizerConfig(**{"lr": 1e-2, "clip_grad": 1.0, **optim}),
                                   checkpoint_config=CheckpointConfig())
     worker = TrainingWorker(config=config)
@@ -387,21 +388,10 @@ def test_checkpoints_resume_bitwise_without_a_disk_shared_with_the_server(tiny_m
         resumed.load_checkpoint(str(tmp_path))
 
 
-def critic_worker_for(model_path: str, url: str, **optim) -> TrainingWorker:
-    engine = ArcticEngineConfig(url=url, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
-                                infer_micro_batch_size_per_gpu=4)
-    worker = TrainingWorker(config=TrainingWorkerConfig(
-        model_type="value_model", model_config=HFModelConfig(path=model_path, use_remove_padding=True),
-        engine_config=engine, optimizer_config=OptimizerConfig(**{"lr": 1e-2, "clip_grad": 1.0, **optim}),
-        checkpoint_config=CheckpointConfig()))
-    worker.reset()
-    return worker
-
-
 def test_a_critic_checkpoint_resumes_bitwise_with_its_schedule(tiny_model, server, client, tmp_path):
     """verl's critic worker saves and resumes the job's critic as the actor's worker does: resuming and stepping
     gives the very state (both models) and the critic's learning rate of stepping on."""
-    worker = critic_worker_for(tiny_model, server, lr_warmup_steps=4, total_training_steps=10)
+    worker = worker_for(tiny_model, server, "value_model", lr_warmup_steps=4, total_training_steps=10)
     seq = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10], "returns": [0.5, -0.5, 1.0],
             "old_values": [0.0, 0.0, 0.0]}]
 
@@ -417,7 +407,7 @@ def test_a_critic_checkpoint_resumes_bitwise_with_its_schedule(tiny_model, serve
     continued = client.state_digest(), client.status()["backend"]["critic"]["learning_rate"]
     values = client.values(seq).values
     step(worker.engine)  # wander off, then resume in a fresh critic worker (a restarted verl)
-    resumed = critic_worker_for(tiny_model, server, lr_warmup_steps=4, total_training_steps=10)
+    resumed = worker_for(tiny_model, server, "value_model", lr_warmup_steps=4, total_training_steps=10)
     resumed.load_checkpoint(str(local))
     step(resumed.engine)
     assert (client.state_digest(), client.status()["backend"]["critic"]["learning_rate"]) == continued
@@ -435,7 +425,7 @@ def test_critic_values_and_value_loss_on_the_jobs_critic(tiny_model, server, cli
     from arctic_rl_verl.config import ArcticCriticConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    worker = critic_worker_for(tiny_model, server)
+    worker = worker_for(tiny_model, server, "value_model")
     critic = ArcticCriticConfig(rollout_n=G, ppo_mini_batch_size=GROUPS, ppo_micro_batch_size_per_gpu=4,
                                 cliprange_value=0.2, model=HFModelConfig(path=tiny_model))
     worker.set_loss_fn(partial(value_loss, config=critic))

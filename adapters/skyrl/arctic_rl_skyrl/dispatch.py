@@ -186,6 +186,15 @@ class ArcticDispatch:
                        arctic_row_tokens=float(sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)))
         return WorkerOutput(loss_fn_outputs=[{"logprobs": lp} for lp in result.logprobs], metrics=metrics)
 
+    def _per_micro_batch(self, rows: int, status) -> dict[str, list[float]]:
+        """`status(start, end)` of each of SkyRL's micro-batches over `rows`, as its worker splits them, by key."""
+        micro = self.cfg.trainer.micro_train_batch_size_per_gpu
+        collected: dict[str, list[float]] = defaultdict(list)
+        for start in range(0, rows, micro):
+            for key, value in status(start, min(start + micro, rows)).items():
+                collected[key].append(value)
+        return dict(collected)
+
     def _critic_forward_backward(self, data, groups):
         """One mini-batch of SkyRL's critic update; its metrics are SkyRL's own `ppo_critic_loss` evaluated, micro-batch
         by micro-batch, on the values of the backend's forward."""
@@ -197,18 +206,15 @@ class ArcticDispatch:
         sequences = sequences_from_batch(data, groups, critic=True)
         result = self.client.fwd_bwd(sequences, critic_loss_spec(self.cfg), model="critic")
         values_all = right_aligned(result.values, data["response_mask"].shape[1])
-        rows, micro = len(data), self.cfg.trainer.micro_train_batch_size_per_gpu
-        collected: dict[str, list[float]] = defaultdict(list)
-        for start in range(0, rows, micro):
-            end = min(start + micro, rows)
+
+        def status(start: int, end: int) -> dict[str, float]:
             mb, values = data[start:end], values_all[start:end]
             loss, clipfrac = ppo_critic_loss(values, mb["values"], mb["returns"], config=self.cfg.trainer.algorithm,
                                              loss_mask=mb["loss_mask"])
-            status = {"critic_loss": float(loss), "values_mean": float(masked_mean(values, mb["loss_mask"])),
-                      "values_clipfrac": clipfrac, "critic_lr": self.schedules["critic"].get_last_lr()[0]}
-            for key, value in status.items():
-                collected[key].append(value)
-        metrics = reduce_metrics(dict(collected))
+            return {"critic_loss": float(loss), "values_mean": float(masked_mean(values, mb["loss_mask"])),
+                    "values_clipfrac": clipfrac, "critic_lr": self.schedules["critic"].get_last_lr()[0]}
+
+        metrics = reduce_metrics(self._per_micro_batch(len(data), status))
         metrics.update(arctic_loss=result.loss, arctic_groups=float(len(set(groups))))
         return WorkerOutput(loss_fn_outputs=[{"values": v} for v in result.values], metrics=metrics)
 
@@ -225,10 +231,9 @@ class ArcticDispatch:
         loss_fn = PolicyLossRegistry.get(algorithm.policy_loss_type)
         width = data["response_mask"].shape[1]
         logp_all, entropy_all = right_aligned(logprobs, width), right_aligned(entropy, width)
-        rows, micro = len(data), self.cfg.trainer.micro_train_batch_size_per_gpu
-        collected: dict[str, list[float]] = defaultdict(list)
-        for start in range(0, rows, micro):
-            end = min(start + micro, rows)
+        rows = len(data)
+
+        def status(start: int, end: int) -> dict[str, float]:
             mb = data[start:end]
             logp, mask, rollout = logp_all[start:end], mb["loss_mask"], mb.get("rollout_logprobs")
             with torch.no_grad():
@@ -241,16 +246,16 @@ class ArcticDispatch:
                 kl = masked_mean(compute_approx_kl(logp, mb["base_action_log_probs"], loss_mask=mask,
                                                    kl_estimator_type=algorithm.kl_estimator_type), mask, dim=-1).mean()
             penalties = kl * algorithm.kl_loss_coef - bonus
-            status = {"final_loss": float(policy_loss + penalties * (end - start) / rows),
-                      "policy_loss": float(policy_loss), "policy_entropy": float(mb_entropy),
-                      "response_length": width, "policy_lr": self.schedules["policy"].get_last_lr()[0]}
-            status.update({f"loss_metrics/{k}": v for k, v in loss_metrics.items()})
+            out = {"final_loss": float(policy_loss + penalties * (end - start) / rows),
+                   "policy_loss": float(policy_loss), "policy_entropy": float(mb_entropy),
+                   "response_length": width, "policy_lr": self.schedules["policy"].get_last_lr()[0]}
+            out.update({f"loss_metrics/{k}": v for k, v in loss_metrics.items()})
             if algorithm.use_kl_loss:
-                status["policy_kl"] = float(kl)
-            status.update(compute_minibatch_rollout_logprob_diff_metrics(logp, rollout, mask))
-            for key, value in status.items():
-                collected[key].append(value)
-        return reduce_metrics(dict(collected), sum_loss_metrics=True)
+                out["policy_kl"] = float(kl)
+            out.update(compute_minibatch_rollout_logprob_diff_metrics(logp, rollout, mask))
+            return out
+
+        return reduce_metrics(self._per_micro_batch(rows, status), sum_loss_metrics=True)
 
     def optim_step(self, model: str, model_id=None) -> float | None:
         self._check_trained(model)
