@@ -77,7 +77,9 @@ class ZorroConfig(_Config):
     enable: bool = True
     min_shared_tokens: int = Field(1, ge=1)
     """Shorter common prefixes are not shared."""
-    attention_backend: Literal["auto", "cpu_flash", "math"] = "auto"
+    attention_backend: Literal["auto", "cpu_flash", "math", "triton"] = "auto"
+    """Split attention's kernels (docs/zorro.md): `auto` is `cpu_flash` on CPU and `triton` (the fused forest
+    kernel) on CUDA."""
 
 
 class ReferenceConfig(_Config):

@@ -187,3 +187,20 @@ def test_value_head_size_may_differ(backend):
     dout = torch.randn_like(ref)
     for gf, gr in zip(torch.autograd.grad(fast, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
         assert (gf - gr).norm() <= 1e-5 * gr.norm()
+
+
+@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+def test_grouped_query_attention_reads_each_kv_head_for_its_query_heads(backend):
+    """K/V with fewer heads than Q (GQA): query head h reads K/V head h // groups, and dK, dV sum over the group."""
+    layout = random_forest(random.Random(5), trees=2, max_children=3, max_len=8, depth=2)
+    torch.manual_seed(5)
+    q = torch.randn(6, layout.num_tokens, 16, requires_grad=True)
+    k, v = (torch.randn(2, layout.num_tokens, 16, requires_grad=True) for _ in range(2))
+    fast = split_attention(q, k, v, layout, 0.25, backend=backend)
+    ref = split_attention_reference(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), layout, 0.25)
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
+    dout = torch.randn_like(ref)
+    for gf, gr in zip(torch.autograd.grad(fast, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert gf.shape == gr.shape and (gf - gr).norm() <= 1e-5 * gr.norm()
+    with pytest.raises(ValueError, match="must be equal and divide the query heads"):
+        split_attention(q, k[:1].expand(4, -1, -1), v[:1].expand(4, -1, -1), layout, 0.25, backend=backend)

@@ -136,11 +136,20 @@ def test_multi_turn_partial_prefixes(models, family):
     assert_parity(models[family], multi_turn(random.Random(11)))
 
 
-@pytest.mark.parametrize("backend", ["cpu_flash", "math"])
+@pytest.mark.parametrize("backend", ["cpu_flash", "math", "triton"])
 def test_groups_split_across_micro_batches(models, backend):
     rng = random.Random(5)
     seqs = grpo_groups(rng, groups=2, max_group=12, prompt_lens=[20], response_lens=[3, 6])
     assert_parity(models["qwen3"], seqs, budget=40, backend=backend)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2"])
+def test_the_fused_kernel_equals_the_models_own_attention(models, family):
+    """The fused Triton forest kernel in a model (interpreted without a GPU): GQA K/V read per query head, and
+    Gemma 2's sliding window and softcap, against the family's eager attention."""
+    rng = random.Random(7)
+    assert_parity(models[family], grpo_groups(rng, groups=2, max_group=4, prompt_lens=[18], response_lens=[2, 7]),
+                  backend="triton")
 
 
 def test_sharing_removes_the_redundant_tokens():

@@ -31,6 +31,7 @@ from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
+from arctic_rl_kernels.split_attention import select_ops
 
 _CHECKPOINT_TAG = "state"
 
@@ -91,6 +92,11 @@ def refuse_unsupported(config: BackendConfig) -> None:
     ranks)."""
     if not os.path.isdir(config.model_path):
         raise InvalidRequest("model_path", f"{config.model_path!r} is not a directory")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        select_ops(config.zorro.attention_backend, device)
+    except ValueError as err:
+        raise InvalidRequest("zorro.attention_backend", str(err)) from None
 
 
 class DeepSpeedEngine(TrainingEngine):

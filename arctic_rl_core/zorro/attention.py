@@ -121,9 +121,10 @@ def zorro_attention_forward(
         raise ValueError(f"ZoRRo packs a micro-batch into one row; got batch size {B}")
     else:
         layout = zorro_layout
+    # K/V keep their own heads (GQA): split attention reads them per query head without repeating them.
     q = query.transpose(0, 1).reshape(H, B * L, D)
-    k = _expand_kv(module, query, key).transpose(0, 1).reshape(H, B * L, D)
-    v = _expand_kv(module, query, value).transpose(0, 1).reshape(H, B * L, value.shape[-1])
+    k = key.transpose(0, 1).reshape(key.shape[1], B * L, D)
+    v = value.transpose(0, 1).reshape(value.shape[1], B * L, value.shape[-1])
     out = split_attention(q, k, v, layout, scale, backend=zorro_backend, softcap=softcap, window=sliding_window, sinks=s_aux)
     # [H, B*L, D] -> [B, L, H, D], the layout transformers' attention functions return.
     return out.reshape(H, B, L, -1).permute(1, 2, 0, 3).contiguous(), None

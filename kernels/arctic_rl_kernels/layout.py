@@ -29,6 +29,7 @@ class ForestLayout:
     num_tokens: int
     _buckets: list = field(default=None, compare=False, repr=False)
     _positions: torch.Tensor = field(default=None, compare=False, repr=False)
+    _tiles: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         n = len(self.starts)
@@ -68,13 +69,9 @@ class ForestLayout:
         A segment's depth is the total length of the segments enclosing it."""
         if self._positions is None:
             out = torch.empty(self.num_tokens, dtype=torch.long)
-            enclosing: list[tuple[int, int]] = []  # (subtree end, depth after the segment) of open ancestors
-            for s, e, t in zip(self.starts, self.ends, self.subtree_ends):
-                while enclosing and enclosing[-1][0] <= s:
-                    enclosing.pop()
-                depth = enclosing[-1][1] if enclosing else 0
-                out[s:e] = torch.arange(depth, depth + e - s)
-                enclosing.append((t, depth + e - s))
+            for seg, ancestors in enumerate(self.ancestors()):
+                depth = sum(self.ends[a] - self.starts[a] for a in ancestors)
+                out[self.starts[seg]:self.ends[seg]] = torch.arange(depth, depth + self.ends[seg] - self.starts[seg])
             object.__setattr__(self, "_positions", out)
         return self._positions
 
@@ -88,6 +85,53 @@ class ForestLayout:
             pos = self.positions()
             mask &= (pos[:, None] - pos[None, :]) < window
         return mask
+
+    def ancestors(self) -> list[list[int]]:
+        """Each segment's enclosing segments, root first."""
+        out, open_segments = [], []
+        for i, s in enumerate(self.starts):
+            while open_segments and self.subtree_ends[open_segments[-1]] <= s:
+                open_segments.pop()
+            out.append(list(open_segments))
+            open_segments.append(i)
+        return out
+
+    def query_tiles(self, block: int) -> tuple[torch.Tensor, ...]:
+        """Tiles of at most `block` queries, none crossing a segment, and the key ranges each tile sees, for a
+        fused kernel: int32 (q_start, q_end, range_ptr, k_start, k_end). Tile t's ranges are
+        range_ptr[t]:range_ptr[t+1]: its segment's ancestors, whole, then its own segment up to the tile's end
+        (the rule `k <= q` is the causal mask inside it and holds for every ancestor token)."""
+        key = ("q", block)
+        if key not in self._tiles:
+            q_start, q_end, ptr, k_start, k_end = [], [], [0], [], []
+            for seg, ancestors in enumerate(self.ancestors()):
+                s, e = self.starts[seg], self.ends[seg]
+                for t in range(s, e, block):
+                    q_start.append(t)
+                    q_end.append(min(t + block, e))
+                    for a in ancestors:
+                        k_start.append(self.starts[a])
+                        k_end.append(self.ends[a])
+                    k_start.append(s)
+                    k_end.append(q_end[-1])
+                    ptr.append(len(k_start))
+            self._tiles[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (q_start, q_end, ptr, k_start, k_end))
+        return self._tiles[key]
+
+    def key_tiles(self, block: int) -> tuple[torch.Tensor, ...]:
+        """Tiles of at most `block` keys, none crossing a segment, and the queries that see them: int32
+        (k_start, k_end, q_end). Depth-first packing makes those one range, [k_start, q_end): the rest of the
+        key's segment (causal) and then its whole subtree."""
+        key = ("k", block)
+        if key not in self._tiles:
+            k_start, k_end, q_end = [], [], []
+            for s, e, t in zip(self.starts, self.ends, self.subtree_ends):
+                for k in range(s, e, block):
+                    k_start.append(k)
+                    k_end.append(min(k + block, e))
+                    q_end.append(t)
+            self._tiles[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (k_start, k_end, q_end))
+        return self._tiles[key]
 
     def cross_parts(self) -> list[tuple[int, int, int, int]]:
         """(key_start, key_end, query_start, query_end): a segment's tokens seen, unmasked, by its whole subtree."""

@@ -13,8 +13,10 @@ softcap, and attention sinks (one more LSE merge, with a zero value).
 
 Primitives (`AttentionOps`) are swappable: `cpu_flash` uses ATen's CPU flash-attention
 kernels; `math` is matmul-based, tiled over queries, runs on any device and also applies
-windows, softcaps and a value head size other than the query's. A Triton kernel is one
-more `AttentionOps`; callers do not change.
+windows, softcaps and a value head size other than the query's. `triton` is a `ForestKernel`
+instead: one fused kernel for the whole forest (`forest_flash_attention.py`), nothing to merge.
+K/V may have fewer heads than Q (GQA): the fused kernel reads them through the head index; the
+parts' primitives get them repeated.
 """
 
 from __future__ import annotations
@@ -128,18 +130,63 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale, mods=NO_MODS, q_pos=N
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+@dataclass(frozen=True)
+class ForestKernel:
+    """One fused kernel for the whole forest, windows and softcaps included:
+    forward(q, k, v, layout, scale, mods, pos) -> (out, lse);
+    backward(dout, q, k, v, out, lse, layout, scale, mods, pos) -> (dq, dk, dv).
+    q is [H, N, D], k and v [Hkv, N, D|Dv] with Hkv dividing H; pos is [N] positions or None."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+def _triton_forward(*args):
+    # Imported at first use: Triton decides at import whether its kernels run interpreted.
+    from arctic_rl_kernels.forest_flash_attention import forest_attention_forward
+
+    return forest_attention_forward(*args)
+
+
+def _triton_backward(*args):
+    from arctic_rl_kernels.forest_flash_attention import forest_attention_backward
+
+    return forest_attention_backward(*args)
+
+
 CPU_FLASH = AttentionOps("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, supports_mods=False)
 MATH = AttentionOps("math", _math_forward, _math_backward, supports_mods=True)
-BACKENDS = {"cpu_flash": CPU_FLASH, "math": MATH}
+TRITON = ForestKernel("triton", _triton_forward, _triton_backward)
+BACKENDS = {"cpu_flash": CPU_FLASH, "math": MATH, "triton": TRITON}
 
 
-def select_ops(name: str, device: torch.device, mods: ScoreMods = NO_MODS, equal_head_dims: bool = True) -> AttentionOps:
+def triton_usable(device: torch.device) -> bool:
+    """Triton runs on CUDA devices, and on any device under its interpreter (TRITON_INTERPRET=1: tests)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
+
+
+def select_ops(name: str, device: torch.device, mods: ScoreMods = NO_MODS,
+               equal_head_dims: bool = True) -> AttentionOps | ForestKernel:
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown split-attention backend {name!r}; choose auto, {', '.join(BACKENDS)}")
-    ops = (CPU_FLASH if device.type == "cpu" else MATH) if name == "auto" else BACKENDS[name]
+    if name == "auto":
+        # CPU: ATen's flash kernels (measured, docs/zorro.md). CUDA: the fused forest kernel, which never
+        # materialises scores, where the math primitives' fp32 score tiles would.
+        name = "cpu_flash" if device.type == "cpu" else "triton" if triton_usable(device) else "math"
+    if name == "triton" and not triton_usable(device):
+        raise ValueError(f"the triton split-attention backend needs Triton and a CUDA device (or TRITON_INTERPRET=1); "
+                         f"this is {device.type}")
+    ops = BACKENDS[name]
     # Flash primitives take no score modification and one head size for Q, K and V: layers with windows,
     # softcaps or a different value head size (multi-latent attention) run the math ones.
-    return MATH if (mods.active or not equal_head_dims) and not ops.supports_mods else ops
+    if isinstance(ops, AttentionOps) and (mods.active or not equal_head_dims) and not ops.supports_mods:
+        return MATH
+    return ops
 
 
 def _bucket_index(layout: ForestLayout, members: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +216,7 @@ def _cross_parts(layout: ForestLayout, mods: ScoreMods, pos: torch.Tensor | None
             yield ks, ke, qs, qe, q_pos, k_pos
 
 
-def _forward(q, k, v, layout: ForestLayout, scale: float, ops: AttentionOps, mods: ScoreMods, pos, sinks):
+def _forward_parts(q, k, v, layout: ForestLayout, scale: float, ops: AttentionOps, mods: ScoreMods, pos):
     H, N, _ = q.shape
     out = q.new_empty((H, N, v.shape[-1]))
     lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
@@ -190,50 +237,74 @@ def _forward(q, k, v, layout: ForestLayout, scale: float, ops: AttentionOps, mod
             out[:, qs:qe].float() * torch.exp(lse[:, qs:qe] - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
         ).to(q.dtype)
         lse[:, qs:qe] = merged
-    if sinks is not None:
-        # A sink is one more logit per head in every row's softmax, with a zero value: one more LSE merge.
-        merged = torch.logaddexp(lse, sinks.float()[:, None])
-        out = (out.float() * torch.exp(lse - merged)[..., None]).to(q.dtype)
-        lse = merged
     return out, lse, buckets
+
+
+def _backward_parts(dout, q, k, v, out, lse, layout: ForestLayout, scale: float, ops: AttentionOps, mods: ScoreMods,
+                    pos, buckets):
+    # Every part's backward is fed the merged output and LSE (sink included): that gives its exact share.
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = torch.zeros_like(k, dtype=torch.float32)
+    dv = torch.zeros_like(v, dtype=torch.float32)
+    for idx, valid in buckets:
+        keep = valid[:, None, :, None]
+        g_out = _gather(dout, idx) * keep
+        g_lse = _gather(lse[..., None], idx)[..., 0].masked_fill(~valid[:, None, :], _PAD_LSE)
+        gq, gk, gv = ops.backward(g_out, _gather(q, idx), _gather(k, idx), _gather(v, idx), _gather(out, idx) * keep,
+                                  g_lse, True, scale, mods, None, None)
+        flat = idx[valid]
+        dq[:, flat] += gq.permute(1, 0, 2, 3)[:, valid].float()
+        dk[:, flat] += gk.permute(1, 0, 2, 3)[:, valid].float()
+        dv[:, flat] += gv.permute(1, 0, 2, 3)[:, valid].float()
+    for ks, ke, qs, qe, q_pos, k_pos in _cross_parts(layout, mods, pos):
+        gq, gk, gv = ops.backward(
+            dout[None, :, qs:qe], q[None, :, qs:qe], k[None, :, ks:ke], v[None, :, ks:ke],
+            out[None, :, qs:qe], lse[None, :, qs:qe].contiguous(), False, scale, mods, q_pos, k_pos,
+        )
+        dq[:, qs:qe] += gq[0].float()
+        dk[:, ks:ke] += gk[0].float()
+        dv[:, ks:ke] += gv[0].float()
+    return dq, dk, dv
+
+
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
+
+
+def _sum_heads(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    return dx if groups == 1 else dx.view(dx.shape[0] // groups, groups, *dx.shape[1:]).sum(1)
 
 
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, layout, scale, ops, mods):
         pos = layout.positions().to(q.device) if mods.window is not None else None
-        out, lse, buckets = _forward(q, k, v, layout, scale, ops, mods, pos, sinks)
+        groups = q.shape[0] // k.shape[0]
+        if isinstance(ops, ForestKernel):
+            (out, lse), buckets = ops.forward(q, k, v, layout, scale, mods, pos), None
+        else:
+            out, lse, buckets = _forward_parts(q, _repeat_heads(k, groups), _repeat_heads(v, groups), layout, scale, ops, mods, pos)
+        if sinks is not None:
+            # A sink is one more logit per head in every row's softmax, with a zero value: one more LSE merge.
+            merged = torch.logaddexp(lse, sinks.float()[:, None])
+            out = (out.float() * torch.exp(lse - merged)[..., None]).to(q.dtype)
+            lse = merged
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.layout, ctx.scale, ctx.ops, ctx.mods, ctx.pos, ctx.buckets = layout, scale, ops, mods, pos, buckets
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        # Every part's backward is fed the merged output and LSE (sink included): that gives its exact share.
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        layout, scale, ops, mods = ctx.layout, ctx.scale, ctx.ops, ctx.mods
+        layout, scale, ops, mods, pos = ctx.layout, ctx.scale, ctx.ops, ctx.mods, ctx.pos
         dout = dout.contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dk = torch.zeros_like(k, dtype=torch.float32)
-        dv = torch.zeros_like(v, dtype=torch.float32)
-        for idx, valid in ctx.buckets:
-            keep = valid[:, None, :, None]
-            g_out = _gather(dout, idx) * keep
-            g_lse = _gather(lse[..., None], idx)[..., 0].masked_fill(~valid[:, None, :], _PAD_LSE)
-            gq, gk, gv = ops.backward(g_out, _gather(q, idx), _gather(k, idx), _gather(v, idx), _gather(out, idx) * keep,
-                                      g_lse, True, scale, mods, None, None)
-            flat = idx[valid]
-            dq[:, flat] += gq.permute(1, 0, 2, 3)[:, valid].float()
-            dk[:, flat] += gk.permute(1, 0, 2, 3)[:, valid].float()
-            dv[:, flat] += gv.permute(1, 0, 2, 3)[:, valid].float()
-        for ks, ke, qs, qe, q_pos, k_pos in _cross_parts(layout, mods, ctx.pos):
-            gq, gk, gv = ops.backward(
-                dout[None, :, qs:qe], q[None, :, qs:qe], k[None, :, ks:ke], v[None, :, ks:ke],
-                out[None, :, qs:qe], lse[None, :, qs:qe].contiguous(), False, scale, mods, q_pos, k_pos,
-            )
-            dq[:, qs:qe] += gq[0].float()
-            dk[:, ks:ke] += gk[0].float()
-            dv[:, ks:ke] += gv[0].float()
+        groups = q.shape[0] // k.shape[0]
+        if isinstance(ops, ForestKernel):
+            dq, dk, dv = ops.backward(dout, q, k, v, out, lse, layout, scale, mods, pos)
+        else:
+            dq, dk, dv = _backward_parts(dout, q, _repeat_heads(k, groups), _repeat_heads(v, groups), out, lse, layout,
+                                         scale, ops, mods, pos, ctx.buckets)
+            dk, dv = _sum_heads(dk, groups), _sum_heads(dv, groups)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d lse_total / d sink = p_sink; the sink's value is 0, so dL/dsink = -sum_rows p_sink * (dout . out).
@@ -245,8 +316,8 @@ class _SplitAttention(torch.autograd.Function):
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: ForestLayout, scale: float,
                     backend: str = "auto", *, softcap: float | None = None, window: int | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q, k: [H, N, D] and v: [H, N, Dv] over the packed tokens (K/V already expanded to the query heads);
-    returns [H, N, Dv].
+    """q: [H, N, D], k: [Hkv, N, D] and v: [Hkv, N, Dv] over the packed tokens, Hkv dividing H (GQA: query
+    head h reads K/V head h // (H // Hkv)); returns [H, N, Dv].
 
     `softcap` and `window` modify scores as `ScoreMods` says; `sinks` ([H], GPT-OSS) adds one logit per
     head to every row's softmax denominator. A window no shorter than the longest sequence is plain causal."""
@@ -256,8 +327,10 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: F
         raise ValueError(f"a sliding window must be positive, got {window}")
     if window is not None and window > int(layout.positions().max()):
         window = None
+    if k.shape[0] != v.shape[0] or q.shape[0] % k.shape[0]:
+        raise ValueError(f"key/value heads ({k.shape[0]}, {v.shape[0]}) must be equal and divide the query heads ({q.shape[0]})")
     if sinks is not None and sinks.shape != (q.shape[0],):
         raise ValueError(f"sinks must hold one logit per head ({q.shape[0]}), got shape {tuple(sinks.shape)}")
     mods = ScoreMods(softcap=softcap, window=window)
     ops = select_ops(backend, q.device, mods, equal_head_dims=v.shape[-1] == q.shape[-1])
-    return _SplitAttention.apply(q, k, v, sinks, layout, scale, ops, mods)
+    return _SplitAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, layout, scale, ops, mods)

@@ -1,0 +1,225 @@
+"""Flash attention over a packed prefix forest in Triton: the whole forest mask in one fused kernel.
+
+The split path (`split_attention.py`) computes a forest as parts — each segment's causal
+self-attention, then each prefix's attention to its subtree — and merges them by log-sum-exp.
+Here one kernel does it: a query tile (never crossing a segment) walks the key ranges it sees
+(`ForestLayout.query_tiles`: its ancestors whole, then its own segment up to the tile), so a
+prefix's K/V is read for its descendants' queries and never copied per suffix, scores never leave
+registers, and there is nothing to merge. Backward is FlashAttention-2's: a key tile's dK, dV come
+from the one query range that sees it (`ForestLayout.key_tiles`), so no atomics; dQ walks the
+forward's ranges again.
+
+GQA is read through the head index (a query head reads K/V head `h // groups`): repeated K/V are never
+materialised, and a KV head's program sums dK, dV over its query heads. Windows and softcaps are score
+rules inside the kernel; the sink merge stays outside (`split_attention`). Scores, softmax and
+accumulators are fp32 for every input dtype; fp32 inputs multiply in IEEE fp32 (no TF32).
+
+Without a GPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set before this module
+is imported): how the parity tests run in `make test`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from arctic_rl_kernels.layout import ForestLayout
+
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+"""Whether this module's kernels were defined under the interpreter (Triton decides at definition)."""
+
+
+def _blocks(device: torch.device) -> tuple[int, int]:
+    # Small tiles under the interpreter keep tests fast; 64x64 is FlashAttention-2's tile for head sizes <= 128.
+    return (16, 16) if device.type != "cuda" else (64, 64)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # Triton's interpreter multiplies bf16/fp16 operands wrongly; they are exact in fp32, as in a tensor core's
+    # fp32-accumulated product, so under the interpreter they are multiplied as fp32.
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    return 2 * tl.sigmoid(2 * x) - 1
+
+
+@triton.jit
+def _scores(q, k, offs_m, offs_n, n_end, pos_ptr, scale, softcap, window,
+            SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """Scores of a query tile against a key tile with the forest's rule inside a key range (`k <= q`,
+    keys before `n_end`), the window and the softcap; and d(capped)/d(raw) for backward."""
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
+    slope = s
+    if SOFTCAP:
+        t = _tanh(s / softcap)
+        s = softcap * t
+        slope = 1 - t * t
+    visible = (offs_n[None, :] < n_end) & (offs_n[None, :] <= offs_m[:, None])
+    if WINDOW:
+        q_pos = tl.load(pos_ptr + offs_m)
+        k_pos = tl.load(pos_ptr + offs_n, mask=offs_n < n_end, other=0)
+        visible = visible & ((q_pos[:, None] - k_pos[None, :]) < window)
+    return tl.where(visible, s, float("-inf")), slope
+
+
+@triton.jit
+def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_start_ptr, k_end_ptr,
+                    stride_qh, stride_kh, stride_vh, stride_oh, N, scale, softcap, window,
+                    GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    tile, h = tl.program_id(0), tl.program_id(1)
+    kv = h // GROUPS
+    q0, q1 = tl.load(q_start_ptr + tile), tl.load(q_end_ptr + tile)
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    rows = offs_m < q1
+    offs_m = tl.where(rows, offs_m, q0)  # padded rows repeat the first query: same ranges, no out-of-bounds
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
+        k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
+        for n0 in range(k0, k1, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            keys = offs_n < k1
+            k = tl.load(K + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], mask=keys[:, None] & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(V + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], mask=keys[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            s, _ = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+            m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(O + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
+             mask=rows[:, None] & (offs_dv[None, :] < DV))
+    tl.store(LSE + h * N + offs_m, lse, mask=rows)
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, POS, k_start_ptr, k_end_ptr, q_end_ptr,
+                 stride_qh, stride_kh, stride_vh, stride_oh, N, scale, softcap, window,
+                 GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    tile, kv = tl.program_id(0), tl.program_id(1)
+    n0, n1, q_end = tl.load(k_start_ptr + tile), tl.load(k_end_ptr + tile), tl.load(q_end_ptr + tile)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    keys = offs_n < n1
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    k = tl.load(K + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], mask=keys[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], mask=keys[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for g in range(GROUPS):
+        h = kv * GROUPS + g
+        for m0 in range(n0, q_end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            rows = offs_m < q_end
+            offs_m = tl.where(rows, offs_m, n0)
+            q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+            do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+            lse = tl.load(LSE + h * N + offs_m)
+            delta = tl.load(DELTA + h * N + offs_m)
+            s, slope = _scores(q, k, offs_m, offs_n, n1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
+            p = tl.where(rows[:, None], tl.exp(s - lse[:, None]), 0.0)
+            dv += _dot(tl.trans(p).to(do.dtype), do, PRECISION, UPCAST)
+            dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+            ds = p * (dp - delta[:, None])
+            if SOFTCAP:
+                ds = ds * slope
+            dk += _dot(tl.trans(ds).to(q.dtype), q, PRECISION, UPCAST)
+    tl.store(DK + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=keys[:, None] & (offs_d[None, :] < D))
+    tl.store(DV_OUT + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
+             mask=keys[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_ptr, k_start_ptr, k_end_ptr,
+               stride_qh, stride_kh, stride_vh, stride_oh, N, scale, softcap, window,
+               GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    tile, h = tl.program_id(0), tl.program_id(1)
+    kv = h // GROUPS
+    q0, q1 = tl.load(q_start_ptr + tile), tl.load(q_end_ptr + tile)
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    rows = offs_m < q1
+    offs_m = tl.where(rows, offs_m, q0)
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+    lse = tl.load(LSE + h * N + offs_m)
+    delta = tl.load(DELTA + h * N + offs_m)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
+        k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
+        for n0 in range(k0, k1, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            keys = offs_n < k1
+            k = tl.load(K + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], mask=keys[:, None] & (offs_d[None, :] < D), other=0.0)
+            v = tl.load(V + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], mask=keys[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            s, slope = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
+            p = tl.exp(s - lse[:, None])
+            ds = p * (_dot(do, tl.trans(v), PRECISION, UPCAST) - delta[:, None])
+            if SOFTCAP:
+                ds = ds * slope
+            dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+    tl.store(DQ + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=rows[:, None] & (offs_d[None, :] < D))
+
+
+def _settings(q, k, v, mods, pos):
+    H, N, D = q.shape
+    Hkv, DV = k.shape[0], v.shape[-1]
+    if q.device.type != "cuda" and not INTERPRETED:
+        raise ValueError("the triton split-attention backend runs on CUDA devices (or under TRITON_INTERPRET=1 for tests)")
+    block_m, block_n = _blocks(q.device)
+    return dict(
+        GROUPS=H // Hkv, D=D, DV=DV, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=mods.softcap is not None, WINDOW=mods.window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED and q.dtype != torch.float32,
+    ), (pos if pos is not None else q.new_zeros(1, dtype=torch.long)), (mods.softcap or 1.0), (mods.window or 0)
+
+
+def forest_attention_forward(q, k, v, layout: ForestLayout, scale: float, mods, pos):
+    """q [H, N, D], k [Hkv, N, D], v [Hkv, N, DV] (contiguous) -> (out [H, N, DV] in q's dtype, lse [H, N] fp32)."""
+    meta, pos, softcap, window = _settings(q, k, v, mods, pos)
+    H, N, _ = q.shape
+    tiles = [t.to(q.device) for t in layout.query_tiles(meta["BLOCK_M"])]
+    out = q.new_empty((H, N, meta["DV"]))
+    lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
+    _forward_kernel[(len(tiles[0]), H)](q, k, v, out, lse, pos, *tiles, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                                         N, scale, softcap, window, **meta)
+    return out, lse
+
+
+def forest_attention_backward(dout, q, k, v, out, lse, layout: ForestLayout, scale: float, mods, pos):
+    """Gradients given the output and LSE the loss saw (with sinks merged in, if any): (dq, dk, dv)."""
+    meta, pos, softcap, window = _settings(q, k, v, mods, pos)
+    H, N, _ = q.shape
+    dout = dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1)  # FlashAttention-2's rowsum(dO * O)
+    lse = lse.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    key_tiles = [t.to(q.device) for t in layout.key_tiles(meta["BLOCK_N"])]
+    _dkdv_kernel[(len(key_tiles[0]), k.shape[0])](q, k, v, dout, lse, delta, dk, dv, pos, *key_tiles, q.stride(0), k.stride(0),
+                                                   v.stride(0), dout.stride(0), N, scale, softcap, window, **meta)
+    tiles = [t.to(q.device) for t in layout.query_tiles(meta["BLOCK_M"])]
+    _dq_kernel[(len(tiles[0]), H)](q, k, v, dout, lse, delta, dq, pos, *tiles, q.stride(0), k.stride(0), v.stride(0),
+                                    dout.stride(0), N, scale, softcap, window, **meta)
+    return dq, dk, dv
