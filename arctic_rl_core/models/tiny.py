@@ -89,8 +89,14 @@ def train_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None):
     )
 
 
+QWEN3_0_6B = dict(layers=28, hidden=1024, heads=16, kv_heads=8,
+                  shape=dict(intermediate=3072, head_dim=128, tie_embeddings=True, model_vocab=151936))
+"""Qwen3-0.6B's shape (its config.json), with random weights: `make_tiny_model("qwen3", dir, **QWEN3_0_6B)`."""
+
+
 def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int,
-                max_positions: int, eos_token_id: int, intermediate: int | None = None):
+                max_positions: int, eos_token_id: int, intermediate: int | None = None, head_dim: int | None = None,
+                tie_embeddings: bool = False):
     from transformers import Gemma2Config, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -104,14 +110,15 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_embeddings,
     )
+    head_dim = head_dim or hidden // heads
     if family == "qwen3":
-        return Qwen3Config(head_dim=hidden // heads, **common)
+        return Qwen3Config(head_dim=head_dim, **common)
     if family == "qwen2":
         return Qwen2Config(**common)
     if family == "llama":
-        return LlamaConfig(head_dim=hidden // heads, **common)
+        return LlamaConfig(head_dim=head_dim, **common)
     if family == "gemma2":
         # Softcaps low enough to bend real logits, and a window shorter than the test sequences.
         # Tied embeddings, as every Gemma 2 (vLLM's Gemma 2 has no separate LM head).
@@ -125,10 +132,12 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
 
 def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: int = 64, heads: int = 2,
                     kv_heads: int = 1, vocab_size: int = 512, max_positions: int = 2048, seed: int = 0,
-                    corpus: list[str] | None = None) -> str:
+                    corpus: list[str] | None = None, shape: dict | None = None) -> str:
     """Write a random-initialised model and its tokenizer to `out_dir`; return the directory.
 
-    The default head size is 32: vLLM's CPU attention kernels support no smaller one.
+    The default head size is 32: vLLM's CPU attention kernels support no smaller one. `shape` overrides the
+    config's size (`intermediate`, `head_dim`, `tie_embeddings`, `model_vocab`: a vocabulary larger than the
+    tokenizer's, for a real model's LM-head cost), e.g. `QWEN3_0_6B`.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -139,8 +148,9 @@ def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: in
         raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
     tokenizer = train_tokenizer(vocab_size, corpus)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = tiny_config(family, vocab_size=len(tokenizer), layers=layers, hidden=hidden, heads=heads,
-                         kv_heads=kv_heads, max_positions=max_positions, eos_token_id=eos)
+    shape = dict(shape or {})
+    config = tiny_config(family, vocab_size=max(len(tokenizer), shape.pop("model_vocab", 0)), layers=layers, hidden=hidden,
+                         heads=heads, kv_heads=kv_heads, max_positions=max_positions, eos_token_id=eos, **shape)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)

@@ -5,10 +5,14 @@ episodes are, `Episode.sequences`): turn k's prompt is the first prompt, then ea
 response and the environment's reply (half a response long), so ZoRRo shares the group's prompt and
 each episode's history.
 
-ZoRRo off is plain packing as the peers do it: a right-padded batch, one
-sequence per row, causal SDPA (flash attention on CPU and GPU), so attention
-costs per sequence only. Each mode runs in its own process so that peak memory
-is its own; the parent compares their log-probs and gradients.
+ZoRRo off (`--baseline padded`, the default) is plain batching as the peers do it: a right-padded batch,
+one sequence per row, causal SDPA (flash attention on CPU and GPU), so attention costs per sequence
+only. `--baseline packed` packs the same sequences unshared through ZoRRo's own kernels
+(`--attention-backend`), so the two differ only in sharing. Each mode runs in its own process so that
+peak memory is its own; the parent compares their log-probs and gradients.
+
+`--preset qwen3-0.6b` is Qwen3-0.6B's shape with random weights (the long-prompt GPU rows of
+docs/benchmarks.md); long sequences want `--gradient-checkpointing` and a `--micro-batch-tokens` budget.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import sys
 import tempfile
 
 SEED = 1234
+SPEC = ("family", "preset", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "turns", "group", "groups",
+        "dtype", "attention_backend", "baseline", "micro_batch_tokens", "gradient_checkpointing", "repeats", "threads")
 
 
 def build_batch(prompt_len: int, response_len: int, group: int, groups: int, vocab: int):
@@ -75,11 +81,15 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
     from arctic_rl_bench.measure import current_rss_mb, median_seconds, peak_rss_mb
 
     torch.set_num_threads(args["threads"] or torch.get_num_threads())
+    # The packed baseline shares nothing: no common prefix is as long as its threshold.
+    zorro = {"enable": mode == "zorro" or args["baseline"] == "packed", "attention_backend": args["attention_backend"],
+             "min_shared_tokens": 1 if mode == "zorro" else 2**62}
     backend = InProcessBackend(
         {
             "model_path": args["model_dir"],
-            "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": 10**9, "grad_clip": None},
-            "zorro": {"enable": mode == "zorro"},
+            "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": args["micro_batch_tokens"],
+                       "grad_clip": None, "gradient_checkpointing": args["gradient_checkpointing"]},
+            "zorro": zorro,
         }
     )
     vocab = backend.engine.vocab_size
@@ -137,15 +147,13 @@ def run(args: dict) -> dict:
     from transformers import AutoConfig
 
     from arctic_rl_bench.measure import run_worker
-    from arctic_rl_core.models.tiny import make_tiny_model
+    from arctic_rl_core.models.tiny import QWEN3_0_6B, make_tiny_model
     from arctic_rl_core.zorro.cost import Shape, theoretical_speedup
 
     with tempfile.TemporaryDirectory() as tmp:
         args = dict(args)
-        args["model_dir"] = make_tiny_model(
-            args["family"], os.path.join(tmp, "model"), layers=args["layers"], hidden=args["hidden"],
-            heads=args["heads"], kv_heads=args["kv_heads"], max_positions=longest(args),
-        )
+        size = QWEN3_0_6B if args["preset"] == "qwen3-0.6b" else {k: args[k] for k in ("layers", "hidden", "heads", "kv_heads")}
+        args["model_dir"] = make_tiny_model(args["family"], os.path.join(tmp, "model"), max_positions=longest(args), **size)
         results = {mode: run_worker("arctic_rl_bench.zorro", mode, json.dumps(args), tmp) for mode in ("naive", "zorro")}
         naive, zorro = load_file(os.path.join(tmp, "naive.safetensors")), load_file(os.path.join(tmp, "zorro.safetensors"))
         config = AutoConfig.from_pretrained(args["model_dir"])
@@ -157,7 +165,7 @@ def run(args: dict) -> dict:
     n, z = results["naive"], results["zorro"]
     return {
         "benchmark": "zorro",
-        "shape": {k: args[k] for k in ("family", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "turns", "group", "groups", "dtype")},
+        "shape": {k: args[k] for k in SPEC if k not in ("repeats", "threads")},
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
         "repeats": args["repeats"],
         "tokens_naive": n["computed_tokens"],
@@ -186,6 +194,8 @@ def run(args: dict) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--family", choices=["qwen3", "qwen2", "llama"], default="qwen3")
+    p.add_argument("--preset", choices=["none", "qwen3-0.6b"], default="none",
+                   help="a real model's shape with random weights (overrides --family and the size flags)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -196,15 +206,21 @@ def add_arguments(p) -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--attention-backend", choices=["auto", "cpu_flash", "math", "triton"], default="auto")
+    p.add_argument("--baseline", choices=["padded", "packed"], default="padded",
+                   help="ZoRRo off as a right-padded batch with SDPA, or packed unshared with ZoRRo's own kernels")
+    p.add_argument("--micro-batch-tokens", type=int, default=10**9, help="the engine's token budget per micro-batch")
+    p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:
-    spec = {k: getattr(args, k) for k in ("family", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len",
-                                           "turns", "group", "groups", "dtype", "repeats", "threads")}
-    for name in ("prompt_len", "response_len", "turns", "group", "groups", "layers", "hidden", "repeats"):
+    spec = {k: getattr(args, k) for k in SPEC}
+    if spec["preset"] == "qwen3-0.6b":
+        spec["family"] = "qwen3"
+    for name in ("prompt_len", "response_len", "turns", "group", "groups", "layers", "hidden", "repeats", "micro_batch_tokens"):
         if spec[name] < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     result = run(spec)
