@@ -134,8 +134,8 @@ def full_row_layout(per_response: list[list[float]], data: TensorDict) -> torch.
     flat = np.zeros(offsets[-1], dtype=np.float32)
     for values, start, p, r in zip(per_response, offsets, prompt_lengths, response_lengths):
         flat[start + p - 1 : start + p - 1 + r] = values
-    rows = torch.from_numpy(flat).split((prompt_lengths + response_lengths).tolist())
-    return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
+    # The jagged tensor is a view of the one array: no per-row tensors, no copy.
+    return torch.nested.nested_tensor_from_jagged(torch.from_numpy(flat), offsets=torch.from_numpy(offsets))
 
 
 def batch_temperature(data: TensorDict) -> float:
