@@ -1,0 +1,268 @@
+"""The cascade decode kernel against its plain PyTorch reference, its work plan's reads, and its benchmark's
+code path. Without CUDA the kernel runs under the Triton interpreter (small shapes)."""
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+# Without CUDA the kernel runs under the Triton interpreter. Triton picks interpreted or compiled functions as it
+# decorates them, triton.language's own included, so TRITON_INTERPRET=1 goes on before triton is first imported,
+# and only for this module's tests (other tests' subprocesses must not inherit it). A process that imported
+# triton already (the whole suite) runs this file in a fresh one instead.
+_NEEDS_INTERPRETER = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+_IN_A_FRESH_PROCESS = _NEEDS_INTERPRETER and "triton" in sys.modules
+_SET_HERE = _NEEDS_INTERPRETER and not _IN_A_FRESH_PROCESS
+if _SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+from arctic_rl_kernels.cascade_decode import INTERPRETED, DecodeForest, cascade_decode, kv_read_bytes  # noqa: E402
+from arctic_rl_kernels.cascade_decode_reference import cascade_decode_reference  # noqa: E402
+
+if _SET_HERE:
+    del os.environ["TRITON_INTERPRET"]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(request, monkeypatch):
+    if _IN_A_FRESH_PROCESS and request.node.name != "test_this_file_in_a_fresh_process":
+        pytest.skip("triton was imported before the interpreter could be switched on: "
+                    "test_this_file_in_a_fresh_process runs these tests")
+    if _SET_HERE:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.skipif(not _IN_A_FRESH_PROCESS, reason="this process runs the tests itself")
+def test_this_file_in_a_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def random_forest(rng: random.Random, trees: int, max_children: int, max_len: int, depth: int) -> DecodeForest:
+    """Trees packed depth-first; a sequence per leaf, and sometimes one that ends at an inner segment
+    (a sample with no tokens of its own yet); sequences in shuffled order."""
+    segments, chains = [], []
+
+    def grow(path: tuple, level: int):
+        start = segments[-1][1] if segments else 0
+        segments.append((start, start + rng.randint(1, max_len)))
+        path += (len(segments) - 1,)
+        children = rng.randint(2 if level == 0 else 1, max_children) if level < depth else 0
+        if children == 0 or rng.random() < 0.2:
+            chains.append(path)
+        for _ in range(children):
+            grow(path, level + 1)
+
+    for _ in range(trees):
+        grow((), 0)
+    rng.shuffle(chains)
+    return DecodeForest(tuple(segments), tuple(chains))
+
+
+def inputs(forest: DecodeForest, H: int, Hkv: int, D: int, DV: int, dtype=torch.float32, seed: int = 0):
+    """q, and caches with a few tokens that no sequence reads."""
+    gen = torch.Generator().manual_seed(seed)
+    T = forest.num_tokens + 3
+    q, k, v = (torch.randn(shape, generator=gen) for shape in ((forest.num_sequences, H, D), (Hkv, T, D), (Hkv, T, DV)))
+    return (t.to(DEVICE, dtype) for t in (q, k, v))
+
+
+def assert_fp32_parity(out, ref):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def reference_lse(q, k, forest: DecodeForest, scale: float) -> torch.Tensor:
+    """[B, H]: each sequence's log-sum-exp of its scores, in fp32."""
+    group = q.shape[1] // k.shape[0]
+    rows = []
+    for b, chain in enumerate(forest.chains):
+        idx = torch.cat([torch.arange(*forest.segments[i]) for i in chain]).to(q.device)
+        scores = (k[:, idx].float().repeat_interleave(group, 0) @ q[b].float()[:, :, None])[..., 0] * scale
+        rows.append(torch.logsumexp(scores, dim=-1))
+    return torch.stack(rows)
+
+
+# (H, Hkv, D, DV): GQA, H == Hkv, one KV head, a value head size other than the query's.
+SHAPES = [(4, 2, 16, 16), (2, 2, 32, 16), (4, 1, 16, 32), (3, 3, 16, 16)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_forests_match_reference_fp32(seed):
+    """Trees of depth 1 to 3; chunks shorter than segments (split-K), reader blocks smaller than a segment's
+    readers, chunks shorter and longer than the interpreter's key tile."""
+    rng = random.Random(seed)
+    depth = 1 + seed % 3
+    forest = random_forest(rng, trees=1 + seed % 2, max_children=3, max_len=[40, 16, 8][depth - 1], depth=depth)
+    chunk, block_r = rng.choice([4, 8, 16]), rng.choice([1, 2, 3])
+    H, Hkv, D, DV = SHAPES[seed % len(SHAPES)]
+    q, k, v = inputs(forest, H, Hkv, D, DV, seed=seed)
+    out, lse = cascade_decode(q, k, v, forest, D**-0.5, chunk=chunk, block_r=block_r, return_lse=True)
+    assert_fp32_parity(out, cascade_decode_reference(q, k, v, forest, D**-0.5))
+    assert lse.dtype == torch.float32
+    assert (lse - reference_lse(q, k, forest, D**-0.5)).abs().max() <= 1e-5 * lse.abs().max()
+
+
+def test_groups_with_nested_prefixes_and_multi_turn_chains():
+    """A system prompt shared by two groups; group A's samples carry a shared turn history (depth-3 chains
+    below the system prompt); group B reads its prompt only; one sample has no tokens of its own."""
+    segments = [(0, 30),                   # 0: system prompt
+                (30, 70), (70, 90),        # 1: group A's prompt, 2: group A's shared turn history
+                (90, 95), (95, 99), (99, 100),  # 3-5: A's samples' own tokens
+                (100, 140),                # 6: group B's prompt
+                (140, 146), (146, 150)]    # 7, 8: B's samples
+    chains = [(0, 1, 2, 3), (0, 1, 2, 4), (0, 1, 2, 5), (0, 6, 7), (0, 6, 8), (0, 1, 2)]
+    forest = DecodeForest(segments, chains)
+    q, k, v = inputs(forest, 4, 2, 16, 32, seed=1)
+    ref = cascade_decode_reference(q, k, v, forest, 0.3)
+    assert_fp32_parity(cascade_decode(q, k, v, forest, 0.3, chunk=16, block_r=4), ref)
+
+
+def test_single_token_segments():
+    forest = DecodeForest([(0, 1), (1, 2), (2, 3), (3, 4)], [(0, 1), (0, 2), (0, 1, 3)])
+    q, k, v = inputs(forest, 2, 1, 16, 16, seed=2)
+    assert_fp32_parity(cascade_decode(q, k, v, forest, 0.25, chunk=1, block_r=2),
+                       cascade_decode_reference(q, k, v, forest, 0.25))
+
+
+def test_bf16_within_bf16_tolerance():
+    forest = DecodeForest.groups([50, 17], [[9, 4, 1], [6, 0]])
+    q, k, v = inputs(forest, 4, 2, 32, 16, dtype=torch.bfloat16, seed=3)
+    out = cascade_decode(q, k, v, forest, 32**-0.5, chunk=24, block_r=2)
+    ref = cascade_decode_reference(q.float(), k.float(), v.float(), forest, 32**-0.5)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).norm() <= 1e-2 * ref.norm()
+
+
+def test_unshared_gives_the_same_output():
+    forest = random_forest(random.Random(7), trees=2, max_children=3, max_len=30, depth=2)
+    q, k, v = inputs(forest, 4, 2, 16, 16, seed=7)
+    shared = cascade_decode(q, k, v, forest, 0.25, chunk=16, block_r=3)
+    unshared = cascade_decode(q, k, v, forest.unshared(), 0.25, chunk=16, block_r=3)
+    assert_fp32_parity(unshared, shared)
+
+
+def readers_per_key(forest: DecodeForest) -> Counter:
+    return Counter(t for chain in forest.chains for i in chain for t in range(*forest.segments[i]))
+
+
+@pytest.mark.parametrize("block_r", [2, 100])
+def test_cascade_plan_reads_each_shared_segment_once(block_r):
+    """Structural, from the plan: every (sequence, key) it needs is covered by exactly one item it reads in;
+    an item's keys are loaded once per KV head, so cascade loads a key once per block of its readers (once
+    when they fit one block) and unshared once per reader."""
+    forest = random_forest(random.Random(11), trees=2, max_children=3, max_len=25, depth=3)
+    readers = readers_per_key(forest)
+    assert max(readers.values()) > 2  # shared keys with more readers than a block of 2
+    for f, expected in [(forest, {t: math.ceil(n / block_r) for t, n in readers.items()}), (forest.unshared(), readers)]:
+        plan = f.plan(chunk=8, block_r=block_r)
+        loads, needs = Counter(), Counter()
+        for k0, k1, block in zip(plan.k0.tolist(), plan.k1.tolist(), plan.readers.tolist()):
+            assert 0 < k1 - k0 <= 8
+            loads.update(range(k0, k1))
+            needs.update((b, t) for b in block if b >= 0 for t in range(k0, k1))
+        assert loads == Counter(expected)
+        assert needs == Counter((b, t) for b, chain in enumerate(f.chains) for i in chain for t in range(*f.segments[i]))
+        assert plan.keys_read == sum(expected.values())
+    q, k, v = inputs(forest, 4, 2, 16, 32)
+    per_key = 2 * (16 + 32) * 4  # two KV heads, K and V of fp32
+    assert kv_read_bytes(forest, q, k, v, block_r=100) == len(readers) * per_key
+    assert kv_read_bytes(forest.unshared(), q, k, v, block_r=100) == sum(readers.values()) * per_key
+
+
+def test_groups_layout():
+    forest = DecodeForest.groups([5, 3], [[2, 0], [1]])
+    assert forest.segments == ((0, 5), (5, 7), (7, 10), (10, 11))
+    assert forest.chains == ((0, 1), (0,), (2, 3))
+    assert forest.unshared().segments == ((0, 5), (5, 7), (0, 5), (7, 10), (10, 11))
+    assert forest.unshared().chains == ((0, 1), (2,), (3, 4))
+
+
+@pytest.mark.parametrize("segments, chains, match", [
+    ([(3, 3)], [(0,)], r"segments\[0\]"),
+    ([(-1, 2)], [(0,)], r"segments\[0\]"),
+    ([(0, 2)], [], "chains: a forest needs"),
+    ([(0, 2)], [()], r"chains\[0\] is empty"),
+    ([(0, 2)], [(0, 1)], r"chains\[0\] = \(0, 1\): segment ids"),
+    ([(0, 2), (2, 4)], [(0,), (1, 1)], r"chains\[1\] = \(1, 1\) reads a segment twice"),
+    ([(0, 4), (2, 6)], [(0, 1)], "overlap"),
+])
+def test_forest_validation(segments, chains, match):
+    with pytest.raises(ValueError, match=match):
+        DecodeForest(segments, chains)
+
+
+def test_helper_and_plan_validation():
+    with pytest.raises(ValueError, match="suffix_lengths has 1 groups"):
+        DecodeForest.groups([4, 4], [[1]])
+    with pytest.raises(ValueError, match="prefix_lengths must be >= 1"):
+        DecodeForest.groups([0], [[1]])
+    with pytest.raises(ValueError, match="chunk"):
+        DecodeForest.groups([4], [[1]]).plan(chunk=0, block_r=1)
+
+
+def test_input_validation():
+    forest = DecodeForest.groups([6], [[2, 2]])
+    q, k, v = inputs(forest, 4, 2, 16, 16)
+    cases = [
+        ((q[:1], k, v), "q holds 1 sequences but the forest has 2"),
+        ((q, k[..., :8], v), "k_cache head size 8 differs from q's 16"),
+        ((q, k, v[:1]), "v_cache .* must match k_cache"),
+        ((q[:, :3], k, v), r"query heads \(3\) must be a multiple of KV heads \(2\)"),
+        ((q, k[:, :8], v[:, :8]), "the forest reads 10 cached tokens but the cache holds 8"),
+        ((q.double(), k, v), "must share one of float32"),
+        ((q[0], k, v), "must be 3-d"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            cascade_decode(*args, forest, 0.25)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    from arctic_rl_kernels import cascade_decode as cd
+
+    monkeypatch.setattr(cd, "INTERPRETED", False)
+    forest = DecodeForest.groups([4], [[1]])
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        cascade_decode(*inputs(forest, 2, 1, 16, 16), forest, 0.25)
+
+
+def bench_args(*argv):
+    from arctic_rl_bench import cascade
+
+    p = argparse.ArgumentParser()
+    cascade.add_arguments(p)
+    return cascade, p.parse_args(list(argv))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_bench_refuses_to_time_on_cpu():
+    cascade, args = bench_args()
+    with pytest.raises(SystemExit, match="measures on a CUDA GPU only"):
+        cascade.main(args)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the smoke run needs the kernel imported under the interpreter")
+def test_bench_interpret_smoke(capsys):
+    cascade, args = bench_args("--interpret-smoke", "--json")
+    assert cascade.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "mean nothing" in result["note"]
+    for r in result["results"]:
+        assert r["parity_max_rel_err"] <= 1e-2
+        # the prompt is read once instead of once per sample; the samples' own tokens are read once either way
+        prompt, suffix = cascade.SMOKE["prompt_len"], cascade.SMOKE["suffix_len"]
+        assert r["bound_speedup"] == pytest.approx((r["group"] * (prompt + suffix)) / (prompt + r["group"] * suffix))
+        assert r["cascade"]["bound_tokens_per_s"] is None  # no bandwidth given: no read bound
