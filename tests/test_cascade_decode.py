@@ -4,49 +4,17 @@ code path. Without CUDA the kernel runs under the Triton interpreter (small shap
 import argparse
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
-# Without CUDA the kernel runs under the Triton interpreter. Triton picks interpreted or compiled functions as it
-# decorates them, triton.language's own included, so TRITON_INTERPRET=1 goes on before triton is first imported,
-# and only for this module's tests (other tests' subprocesses must not inherit it). A process that imported
-# triton already (the whole suite) runs this file in a fresh one instead.
-_NEEDS_INTERPRETER = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-_IN_A_FRESH_PROCESS = _NEEDS_INTERPRETER and "triton" in sys.modules
-_SET_HERE = _NEEDS_INTERPRETER and not _IN_A_FRESH_PROCESS
-if _SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-from arctic_rl_kernels.cascade_decode import INTERPRETED, DecodeForest, cascade_decode, kv_read_bytes  # noqa: E402
-from arctic_rl_kernels.cascade_decode_reference import cascade_decode_reference  # noqa: E402
+from arctic_rl_kernels.cascade_decode import INTERPRETED, DecodeForest, cascade_decode, kv_read_bytes
+from arctic_rl_kernels.cascade_decode_reference import cascade_decode_reference
 
-if _SET_HERE:
-    del os.environ["TRITON_INTERPRET"]
-
+# Without CUDA the kernel runs under Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_env(request, monkeypatch):
-    if _IN_A_FRESH_PROCESS and request.node.name != "test_this_file_in_a_fresh_process":
-        pytest.skip("triton was imported before the interpreter could be switched on: "
-                    "test_this_file_in_a_fresh_process runs these tests")
-    if _SET_HERE:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.mark.skipif(not _IN_A_FRESH_PROCESS, reason="this process runs the tests itself")
-def test_this_file_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 def random_forest(rng: random.Random, trees: int, max_children: int, max_len: int, depth: int) -> DecodeForest:
@@ -231,9 +199,9 @@ def test_input_validation():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    from arctic_rl_kernels import cascade_decode as cd
+    from arctic_rl_kernels import triton_device
 
-    monkeypatch.setattr(cd, "INTERPRETED", False)
+    monkeypatch.setattr(triton_device, "interpreted", lambda kernel: False)
     forest = DecodeForest.groups([4], [[1]])
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
         cascade_decode(*inputs(forest, 2, 1, 16, 16), forest, 0.25)

@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from arctic_rl_kernels.triton_device import check_device, interpreted
 
 CHUNK = 512
 """Keys per work item: a 32K prompt becomes 64 items per KV head."""
@@ -208,9 +209,7 @@ def _partials_kernel(
     tl.store(lse_ptr + slot * H + head, lse, mask=live)
 
 
-INTERPRETED = isinstance(_partials_kernel, InterpretedFunction)
-"""Whether the kernel runs under the Triton interpreter: TRITON_INTERPRET=1 when this module was imported.
-It must also have been set when triton was first imported (triton.language's own functions are jit'd)."""
+INTERPRETED = interpreted(_partials_kernel)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -245,12 +244,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, forest
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not q.device == k_cache.device == v_cache.device:
         raise ValueError(f"q, k_cache, v_cache are on {q.device}, {k_cache.device}, {v_cache.device}")
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise RuntimeError("cascade_decode's Triton kernel needs CUDA tensors; on CPU it runs only under the "
-                           "Triton interpreter (TRITON_INTERPRET=1 set before triton is first imported), for tests")
-    if INTERPRETED and not isinstance(tl.zeros, InterpretedFunction):
-        raise RuntimeError("TRITON_INTERPRET=1 was set after triton was first imported: triton.language's own "
-                           "functions are compiled ones, which the interpreter cannot call; set it before")
+    check_device(q.device, _partials_kernel, "cascade_decode")
 
 
 def default_block_r(heads: int, kv_heads: int) -> int:

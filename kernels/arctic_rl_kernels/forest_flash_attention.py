@@ -25,10 +25,9 @@ import triton
 import triton.language as tl
 
 from arctic_rl_kernels.layout import ForestLayout
+from arctic_rl_kernels.triton_device import check_device, interpreted
 
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)
-"""Whether this module's kernels were defined under the interpreter (Triton decides at definition)."""
 
 
 def _blocks(device: torch.device) -> tuple[int, int]:
@@ -186,13 +185,12 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_p
 def _settings(q, k, v, mods, pos):
     H, N, D = q.shape
     Hkv, DV = k.shape[0], v.shape[-1]
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise ValueError("the triton split-attention backend runs on CUDA devices (or under TRITON_INTERPRET=1 for tests)")
+    check_device(q.device, _forward_kernel, "split attention")
     block_m, block_n = _blocks(q.device)
     return dict(
         GROUPS=H // Hkv, D=D, DV=DV, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=mods.softcap is not None, WINDOW=mods.window is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreted(_forward_kernel) and q.dtype != torch.float32,
     ), (pos if pos is not None else q.new_zeros(1, dtype=torch.long)), (mods.softcap or 1.0), (mods.window or 0)
 
 
