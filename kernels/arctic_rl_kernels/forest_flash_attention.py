@@ -74,7 +74,7 @@ def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_s
                     GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    tile, h = tl.program_id(0), tl.program_id(1)
+    tile, h = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: a long pack's heads pass 2**31 elements
     kv = h // GROUPS
     q0, q1 = tl.load(q_start_ptr + tile), tl.load(q_end_ptr + tile)
     offs_m = q0 + tl.arange(0, BLOCK_M)
@@ -114,7 +114,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, POS, k_start_ptr, k_end_pt
                  GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    tile, kv = tl.program_id(0), tl.program_id(1)
+    tile, kv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n0, n1, q_end = tl.load(k_start_ptr + tile), tl.load(k_end_ptr + tile), tl.load(q_end_ptr + tile)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     keys = offs_n < n1
@@ -153,7 +153,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_p
                GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    tile, h = tl.program_id(0), tl.program_id(1)
+    tile, h = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: a long pack's heads pass 2**31 elements
     kv = h // GROUPS
     q0, q1 = tl.load(q_start_ptr + tile), tl.load(q_end_ptr + tile)
     offs_m = q0 + tl.arange(0, BLOCK_M)
@@ -198,7 +198,7 @@ def forest_attention_forward(q, k, v, layout: ForestLayout, scale: float, mods, 
     """q [H, N, D], k [Hkv, N, D], v [Hkv, N, DV] (contiguous) -> (out [H, N, DV] in q's dtype, lse [H, N] fp32)."""
     meta, pos, softcap, window = _settings(q, k, v, mods, pos)
     H, N, _ = q.shape
-    tiles = [t.to(q.device) for t in layout.query_tiles(meta["BLOCK_M"])]
+    tiles = layout.query_tiles(meta["BLOCK_M"], q.device)
     out = q.new_empty((H, N, meta["DV"]))
     lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
     _forward_kernel[(len(tiles[0]), H)](q, k, v, out, lse, pos, *tiles, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
@@ -214,10 +214,10 @@ def forest_attention_backward(dout, q, k, v, out, lse, layout: ForestLayout, sca
     delta = (dout.float() * out.float()).sum(-1)  # FlashAttention-2's rowsum(dO * O)
     lse = lse.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    key_tiles = [t.to(q.device) for t in layout.key_tiles(meta["BLOCK_N"])]
+    key_tiles = layout.key_tiles(meta["BLOCK_N"], q.device)
     _dkdv_kernel[(len(key_tiles[0]), k.shape[0])](q, k, v, dout, lse, delta, dk, dv, pos, *key_tiles, q.stride(0), k.stride(0),
                                                    v.stride(0), dout.stride(0), N, scale, softcap, window, **meta)
-    tiles = [t.to(q.device) for t in layout.query_tiles(meta["BLOCK_M"])]
+    tiles = layout.query_tiles(meta["BLOCK_M"], q.device)
     _dq_kernel[(len(tiles[0]), H)](q, k, v, dout, lse, delta, dq, pos, *tiles, q.stride(0), k.stride(0), v.stride(0),
                                     dout.stride(0), N, scale, softcap, window, **meta)
     return dq, dk, dv

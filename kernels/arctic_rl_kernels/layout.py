@@ -96,12 +96,15 @@ class ForestLayout:
             open_segments.append(i)
         return out
 
-    def query_tiles(self, block: int) -> tuple[torch.Tensor, ...]:
+    def query_tiles(self, block: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """Tiles of at most `block` queries, none crossing a segment, and the key ranges each tile sees, for a
         fused kernel: int32 (q_start, q_end, range_ptr, k_start, k_end). Tile t's ranges are
         range_ptr[t]:range_ptr[t+1]: its segment's ancestors, whole, then its own segment up to the tile's end
-        (the rule `k <= q` is the causal mask inside it and holds for every ancestor token)."""
-        key = ("q", block)
+        (the rule `k <= q` is the causal mask inside it and holds for every ancestor token). Built once per
+        block size and device (every layer's forward and backward reads them)."""
+        key = ("q", block, str(device))
+        if key not in self._tiles and str(device) != "cpu":
+            self._tiles[key] = tuple(t.to(device) for t in self.query_tiles(block))
         if key not in self._tiles:
             q_start, q_end, ptr, k_start, k_end = [], [], [0], [], []
             for seg, ancestors in enumerate(self.ancestors()):
@@ -118,11 +121,13 @@ class ForestLayout:
             self._tiles[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (q_start, q_end, ptr, k_start, k_end))
         return self._tiles[key]
 
-    def key_tiles(self, block: int) -> tuple[torch.Tensor, ...]:
+    def key_tiles(self, block: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """Tiles of at most `block` keys, none crossing a segment, and the queries that see them: int32
         (k_start, k_end, q_end). Depth-first packing makes those one range, [k_start, q_end): the rest of the
         key's segment (causal) and then its whole subtree."""
-        key = ("k", block)
+        key = ("k", block, str(device))
+        if key not in self._tiles and str(device) != "cpu":
+            self._tiles[key] = tuple(t.to(device) for t in self.key_tiles(block))
         if key not in self._tiles:
             k_start, k_end, q_end = [], [], []
             for s, e, t in zip(self.starts, self.ends, self.subtree_ends):
