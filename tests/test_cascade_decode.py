@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from arctic_rl_kernels.cascade_decode import INTERPRETED, DecodeForest, cascade_decode, kv_read_bytes
+from arctic_rl_kernels.cascade_decode import CHUNK, INTERPRETED, DecodeForest, cascade_decode, kv_read_bytes
 from arctic_rl_kernels.cascade_decode_reference import cascade_decode_reference
 
 # Without CUDA the kernel runs under Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1.
@@ -188,7 +188,7 @@ def test_input_validation():
         ((q, k[..., :8], v), "k_cache head size 8 differs from q's 16"),
         ((q, k, v[:1]), "v_cache .* must match k_cache"),
         ((q[:, :3], k, v), r"query heads \(3\) must be a multiple of KV heads \(2\)"),
-        ((q, k[:, :8], v[:, :8]), "the forest reads 10 cached tokens but the cache holds 8"),
+        ((q, k[:, :8], v[:, :8]), "the forest reads cache rows up to 9 but the cache holds 8"),
         ((q.double(), k, v), "must share one of float32"),
         ((q[0], k, v), "must be 3-d"),
     ]
@@ -234,3 +234,69 @@ def test_bench_interpret_smoke(capsys):
         prompt, suffix = cascade.SMOKE["prompt_len"], cascade.SMOKE["suffix_len"]
         assert r["bound_speedup"] == pytest.approx((r["group"] * (prompt + suffix)) / (prompt + r["group"] * suffix))
         assert r["cascade"]["bound_tokens_per_s"] is None  # no bandwidth given: no read bound
+
+
+def paged_case(rng: random.Random, block_size: int):
+    """GRPO groups in a paged cache as a prefix cache lays them out: a group's full prompt blocks are shared
+    (one physical block each), the prompt's partial last block and each sample's own tokens are the sample's."""
+    free = list(range(200))
+    rng.shuffle(free)
+    tables, lengths = [], []
+    for _ in range(rng.randint(1, 3)):
+        prompt = rng.randint(1, 4 * block_size)
+        shared = [free.pop() for _ in range(prompt // block_size)]
+        for _ in range(rng.randint(1, 5)):
+            length = prompt + rng.randint(0, 2 * block_size)
+            own = [free.pop() for _ in range(-(-length // block_size) - len(shared))]
+            tables.append(shared + own)
+            lengths.append(length)
+    return tables, lengths
+
+
+def paged_reference(q, k_cache, v_cache, tables, lengths, block_size, scale):
+    """Each sequence's keys gathered through its block table, softmax in fp32: no forest involved."""
+    group = q.shape[1] // k_cache.shape[0]
+    out = []
+    for b, (table, length) in enumerate(zip(tables, lengths)):
+        rows = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(length)])
+        k = k_cache[:, rows].float().repeat_interleave(group, 0)
+        v = v_cache[:, rows].float().repeat_interleave(group, 0)
+        out.append((torch.softmax((k @ q[b].float()[:, :, None])[..., 0] * scale, -1)[:, None, :] @ v)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paged_cache_through_block_tables_matches_reference(seed):
+    """A paged cache in vLLM's layout ([blocks, block_size, Hkv, D], seen as [Hkv, rows, D] by strides): the
+    forest found from the block tables shares each group's full prompt blocks, and the output is each sequence's
+    attention through its own block table."""
+    rng = random.Random(seed)
+    block_size, H, Hkv, D = 4, 4, 2, 16
+    tables, lengths = paged_case(rng, block_size)
+    forest = DecodeForest.from_block_tables(tables, lengths, block_size)
+    gen = torch.Generator().manual_seed(seed)
+    paged_k, paged_v = (torch.randn(200, block_size, Hkv, D, generator=gen) for _ in range(2))
+    k_cache, v_cache = (t.view(200 * block_size, Hkv, D).permute(1, 0, 2) for t in (paged_k, paged_v))
+    q = torch.randn(len(tables), H, D, generator=gen)
+    q, k_cache, v_cache = (t.to(DEVICE) for t in (q, k_cache, v_cache))
+    out = cascade_decode(q, k_cache, v_cache, forest, 0.25)
+    ref = paged_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), tables, lengths, block_size, 0.25)
+    assert (out.cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # Shared: every distinct cached token is one logical key, read once (one block of readers covers a group).
+    distinct = {t[i // block_size] * block_size + i % block_size for t, n in zip(tables, lengths) for i in range(n)}
+    assert forest.num_tokens == len(distinct) == len(set(forest.key_rows))
+    assert (cascade_decode(q, k_cache, v_cache, forest.unshared(), 0.25).cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert forest.plan(CHUNK, 8).keys_read == len(distinct)
+
+
+def test_block_tables_share_only_what_is_shared():
+    """Two samples with one full shared block, then their own; a third sequence alone; a shared block filled
+    differently is refused."""
+    forest = DecodeForest.from_block_tables([[7, 1], [7, 2], [5]], [6, 5, 3], block_size=4)
+    assert forest.segments == ((0, 4), (4, 6), (6, 7), (7, 10))
+    assert forest.chains == ((0, 1), (0, 2), (3,))
+    assert forest.key_rows == (28, 29, 30, 31, 4, 5, 8, 20, 21, 22)
+    with pytest.raises(ValueError, match="only full blocks are shared"):
+        DecodeForest.from_block_tables([[7], [7]], [4, 3], block_size=4)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9"):
+        DecodeForest.from_block_tables([[7, 1]], [9], block_size=4)

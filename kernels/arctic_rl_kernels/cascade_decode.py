@@ -8,7 +8,9 @@ in flash-decoding) so a 32K prompt has parallelism. Each (item, KV head) program
 output and log-sum-exp per reader; partials are merged per sequence by LSE.
 
 `DecodeForest.unshared()` is the baseline with the same kernel: every sequence reads its own copy of
-each range, as plain paged decoding does.
+each range, as plain paged decoding does. `DecodeForest.from_block_tables` finds the forest of a paged
+cache (vLLM's layout): sequences whose block tables start with the same physical blocks, as a prefix
+cache lays out a group's prompt, share them; keys are then read through their cache rows.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class DecodePlan:
     slots: torch.Tensor
     slot_seq: torch.Tensor
     block_r: int
+    key_rows: torch.Tensor | None = None
+    """int32 cache row of each logical key (a paged forest's), else None."""
 
     @property
     def keys_read(self) -> int:
@@ -60,6 +64,8 @@ class DecodeForest:
     reader its own copy of a range."""
     chains: tuple[tuple[int, ...], ...]
     """Per sequence, the ids of the segments it reads, root to leaf."""
+    key_rows: tuple[int, ...] | None = None
+    """A paged cache's row of each key index the segments name (`from_block_tables`); None: the rows themselves."""
 
     def __post_init__(self):
         object.__setattr__(self, "segments", tuple((int(s), int(e)) for s, e in self.segments))
@@ -79,7 +85,14 @@ class DecodeForest:
             ranges = sorted(self.segments[i] for i in chain)
             if any(prev[1] > nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
                 raise ValueError(f"chains[{b}] = {chain}: its segments' ranges overlap, so it would read a key twice")
+        if self.key_rows is not None:
+            object.__setattr__(self, "key_rows", tuple(int(r) for r in self.key_rows))
+            if len(self.key_rows) < self.num_tokens or min(self.key_rows) < 0:
+                raise ValueError(f"key_rows must hold a cache row >= 0 for each of the {self.num_tokens} keys the "
+                                 f"segments name; got {len(self.key_rows)}")
         object.__setattr__(self, "_plans", {})
+        # The cache rows a call needs, checked per call without a pass over key_rows.
+        object.__setattr__(self, "rows_needed", self.num_tokens if self.key_rows is None else max(self.key_rows) + 1)
 
     @classmethod
     def groups(cls, prefix_lengths: Sequence[int], suffix_lengths: Sequence[Sequence[int]]) -> DecodeForest:
@@ -103,6 +116,52 @@ class DecodeForest:
                 pos += n
         return cls(tuple(segments), tuple(chains))
 
+    @classmethod
+    def from_block_tables(cls, block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
+                          block_size: int) -> DecodeForest:
+        """A paged cache's forest: sequences whose block tables start with the same physical blocks (a prefix
+        cache's shared prompt blocks) share those keys. Returns the forest over logical key indices and
+        its `key_rows`, each logical key's row in the cache (block id * block_size + offset)."""
+        if len(block_tables) != len(seq_lens) or not seq_lens:
+            raise ValueError(f"block_tables ({len(block_tables)}) and seq_lens ({len(seq_lens)}) need one entry "
+                             "per sequence, at least one")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        root: dict = {"children": {}}
+        for b, (table, length) in enumerate(zip(block_tables, seq_lens)):
+            blocks = -(-length // block_size)
+            if length < 1 or len(table) < blocks:
+                raise ValueError(f"seq_lens[{b}] = {length} needs 1..{len(table) * block_size} tokens "
+                                 f"(block_tables[{b}] holds {len(table)} blocks)")
+            node = root
+            for j, block in enumerate(table[:blocks]):
+                tokens = min(block_size, length - j * block_size)
+                node = node["children"].setdefault(int(block), {"block": int(block), "tokens": tokens, "readers": [],
+                                                                "children": {}})
+                if node["tokens"] != tokens:
+                    raise ValueError(f"block_tables[{b}][{j}] = {block} is shared but filled to {tokens} tokens "
+                                     f"here and {node['tokens']} elsewhere: only full blocks are shared")
+                node["readers"].append(b)
+        segments, chains, rows = [], [[] for _ in seq_lens], []
+
+        def emit(node, run):
+            # A run of blocks read by one set of sequences is one segment.
+            only = next(iter(node["children"].values())) if len(node["children"]) == 1 else None
+            if only is not None and only["readers"] == node["readers"]:
+                return emit(only, run + [only])
+            start = len(rows)
+            for block in run:
+                rows.extend(range(block["block"] * block_size, block["block"] * block_size + block["tokens"]))
+            for b in node["readers"]:
+                chains[b].append(len(segments))
+            segments.append((start, len(rows)))
+            for child in node["children"].values():
+                emit(child, [child])
+
+        for child in root["children"].values():
+            emit(child, [child])
+        return cls(tuple(segments), tuple(map(tuple, chains)), tuple(rows))
+
     @property
     def num_sequences(self) -> int:
         return len(self.chains)
@@ -118,7 +177,7 @@ class DecodeForest:
         for chain in self.chains:
             chains.append(tuple(range(len(segments), len(segments) + len(chain))))
             segments.extend(self.segments[i] for i in chain)
-        return DecodeForest(tuple(segments), tuple(chains))
+        return DecodeForest(tuple(segments), tuple(chains), self.key_rows)
 
     def plan(self, chunk: int, block_r: int, device: torch.device | str = "cpu") -> DecodePlan:
         """The work items (built once per chunk and block size, cached per device)."""
@@ -130,7 +189,8 @@ class DecodeForest:
         if key not in self._plans:
             host = self._plans[host_key]
             self._plans[key] = DecodePlan(*(t.to(device) for t in (host.k0, host.k1, host.readers, host.slots,
-                                                                 host.slot_seq)), block_r)
+                                                                 host.slot_seq)), block_r,
+                                          None if host.key_rows is None else host.key_rows.to(device))
         return self._plans[key]
 
     def _build_plan(self, chunk: int, block_r: int) -> DecodePlan:
@@ -152,16 +212,18 @@ class DecodeForest:
         live = readers >= 0
         slots[live] = torch.arange(int(live.sum()), dtype=torch.int32)
         return DecodePlan(torch.tensor(k0, dtype=torch.int32), torch.tensor(k1, dtype=torch.int32), readers, slots,
-                          torch.tensor(slot_seq, dtype=torch.long), block_r)
+                          torch.tensor(slot_seq, dtype=torch.long), block_r,
+                          None if self.key_rows is None else torch.tensor(self.key_rows, dtype=torch.int32))
 
 
 @triton.jit
 def _partials_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k0_ptr, k1_ptr, readers_ptr, slots_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, k0_ptr, k1_ptr, readers_ptr, slots_ptr, key_rows_ptr,
     stride_qb, stride_qh, stride_qd, stride_kh, stride_kt, stride_kd, stride_vh, stride_vt, stride_vd,
     scale_log2, H, D, DV,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """One program per (work item, KV head): the item's readers' query heads of this KV head are the
     rows; every K/V tile of the item's keys is loaded once for all of them."""
@@ -189,7 +251,9 @@ def _partials_kernel(
     for n0 in range(k0, k1, BLOCK_N):
         n = n0 + cols
         inside = n < k1
-        k = tl.load(k_base + n[:, None] * stride_kt + d[None, :] * stride_kd,
+        # Paged: the forest's key index is logical; its cache row is the block table's slot.
+        row = tl.load(key_rows_ptr + n, mask=inside, other=0).to(tl.int64) if PAGED else n
+        k = tl.load(k_base + row[:, None] * stride_kt + d[None, :] * stride_kd,
                     mask=inside[:, None] & (d[None, :] < D), other=0.0)
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k).to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
         s = tl.where(inside[None, :], s, float("-inf"))
@@ -197,7 +261,7 @@ def _partials_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None] * stride_vt + dv[None, :] * stride_vd,
+        v = tl.load(v_base + row[:, None] * stride_vt + dv[None, :] * stride_vd,
                     mask=inside[:, None] & (dv[None, :] < DV), other=0.0)
         # p is rounded to V's dtype as on tensor cores; the product accumulates in fp32.
         acc = tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION)
@@ -237,8 +301,8 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, forest
         raise ValueError(f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} in heads and tokens")
     if Hkv < 1 or H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({Hkv})")
-    if T < forest.num_tokens:
-        raise ValueError(f"the forest reads {forest.num_tokens} cached tokens but the cache holds {T}")
+    if T < forest.rows_needed:
+        raise ValueError(f"the forest reads cache rows up to {forest.rows_needed - 1} but the cache holds {T}")
     if not q.dtype == k_cache.dtype == v_cache.dtype or q.dtype not in _DOT_DTYPES:
         raise ValueError(f"q, k_cache, v_cache must share one of float32, bfloat16, float16; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
@@ -255,7 +319,9 @@ def default_block_r(heads: int, kv_heads: int) -> int:
 def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, forest: DecodeForest, scale: float,
                    *, chunk: int = CHUNK, block_r: int | None = None, return_lse: bool = False):
     """One decoding step's attention: q [B, H, D] (one query token per sequence), k_cache [Hkv, T, D],
-    v_cache [Hkv, T, DV]; sequence b attends to the keys of the segments in forest.chains[b].
+    v_cache [Hkv, T, DV] (any strides: a paged cache's [blocks * block_size, Hkv, D] seen as [Hkv, T, D]);
+    sequence b attends to the keys of the segments in forest.chains[b]: cache rows themselves, or for a
+    paged forest (`DecodeForest.from_block_tables`) the rows its `key_rows` name.
 
     A work item covers at most `chunk` keys of one segment for at most `block_r` of its readers (default:
     `default_block_r`). Returns out [B, H, DV] in q's dtype, and with `return_lse` also the log-sum-exp
@@ -273,14 +339,14 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     dot_dtype = tl.float32 if INTERPRETED else _DOT_DTYPES[q.dtype]
     _partials_kernel[(plan.k0.numel(), Hkv)](
         q, k_cache, v_cache, out, lse, plan.k0, plan.k1, plan.readers, plan.slots,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        plan.k0 if plan.key_rows is None else plan.key_rows, *q.stride(), *k_cache.stride(), *v_cache.stride(),
         scale * math.log2(math.e), H, D, DV,
         GROUP=group, BLOCK_R=block_r, BLOCK_M=max(16, triton.next_power_of_2(block_r * group)),
         BLOCK_N=16 if INTERPRETED else 64,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         DOT_DTYPE=dot_dtype,
         # fp32 dots in IEEE fp32: TF32 would break fp32 parity. 16-bit inputs take the default.
-        PRECISION="ieee" if dot_dtype == tl.float32 else None,
+        PRECISION="ieee" if dot_dtype == tl.float32 else None, PAGED=plan.key_rows is not None,
     )
     merged, merged_lse = _merge(out, lse, plan.slot_seq, B)
     return (merged.to(q.dtype), merged_lse) if return_lse else merged.to(q.dtype)
