@@ -69,6 +69,31 @@ def _scores(q, k, offs_m, offs_n, n_end, pos_ptr, scale, softcap, window,
 
 
 @triton.jit
+def _query_tile(Q, stride_qh, h, tile, q_start_ptr, q_end_ptr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """A query tile's token indices, which of its rows are real, and its queries of head h."""
+    q0, q1 = tl.load(q_start_ptr + tile), tl.load(q_end_ptr + tile)
+    offs_m = q0 + tl.arange(0, BLOCK_M)
+    rows = offs_m < q1
+    offs_m = tl.where(rows, offs_m, q0)  # padded rows repeat the first query: same ranges, no out-of-bounds
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    return offs_m, rows, q
+
+
+@triton.jit
+def _key_tile(K, V, kv, stride_kh, stride_vh, n0, n_end, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The keys and values of KV head kv at token indices n0 + [0, BLOCK_N), zero past n_end."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    keys = offs_n < n_end
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    k = tl.load(K + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], mask=keys[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], mask=keys[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return offs_n, k, v
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_start_ptr, k_end_ptr,
                     stride_qh, stride_kh, stride_vh, stride_oh, N, scale, softcap, window,
                     GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -76,22 +101,15 @@ def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_s
                     SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     tile, h = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: a long pack's heads pass 2**31 elements
     kv = h // GROUPS
-    q0, q1 = tl.load(q_start_ptr + tile), tl.load(q_end_ptr + tile)
-    offs_m = q0 + tl.arange(0, BLOCK_M)
-    rows = offs_m < q1
-    offs_m = tl.where(rows, offs_m, q0)  # padded rows repeat the first query: same ranges, no out-of-bounds
-    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    offs_m, rows, q = _query_tile(Q, stride_qh, h, tile, q_start_ptr, q_end_ptr, D, BLOCK_M, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
         k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
         for n0 in range(k0, k1, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            keys = offs_n < k1
-            k = tl.load(K + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], mask=keys[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], mask=keys[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
             s, _ = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
@@ -116,11 +134,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, POS, k_start_ptr, k_end_pt
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     tile, kv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n0, n1, q_end = tl.load(k_start_ptr + tile), tl.load(k_end_ptr + tile), tl.load(q_end_ptr + tile)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, n1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
     keys = offs_n < n1
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    k = tl.load(K + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], mask=keys[:, None] & (offs_d[None, :] < D), other=0.0)
-    v = tl.load(V + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], mask=keys[:, None] & (offs_dv[None, :] < DV), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in range(GROUPS):
@@ -153,14 +169,10 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_p
                GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    tile, h = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: a long pack's heads pass 2**31 elements
+    tile, h = tl.program_id(0), tl.program_id(1).to(tl.int64)
     kv = h // GROUPS
-    q0, q1 = tl.load(q_start_ptr + tile), tl.load(q_end_ptr + tile)
-    offs_m = q0 + tl.arange(0, BLOCK_M)
-    rows = offs_m < q1
-    offs_m = tl.where(rows, offs_m, q0)
+    offs_m, rows, q = _query_tile(Q, stride_qh, h, tile, q_start_ptr, q_end_ptr, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
     do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
     lse = tl.load(LSE + h * N + offs_m)
     delta = tl.load(DELTA + h * N + offs_m)
@@ -168,10 +180,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_p
     for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
         k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
         for n0 in range(k0, k1, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            keys = offs_n < k1
-            k = tl.load(K + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], mask=keys[:, None] & (offs_d[None, :] < D), other=0.0)
-            v = tl.load(V + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], mask=keys[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
             s, slope = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
             p = tl.exp(s - lse[:, None])
             ds = p * (_dot(do, tl.trans(v), PRECISION, UPCAST) - delta[:, None])
