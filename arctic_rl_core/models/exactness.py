@@ -32,6 +32,15 @@ _MIXING_TOLERANCE = 1e-5
 _DISABLE = "set zorro.enable=false to train it with its own attention"
 
 
+def _kernel_failure(err: Exception) -> InvalidRequest | None:
+    """A Triton kernel that fails on this device (compiling it, launching it) is the backend's failure, not the
+    family's: named as `zorro.attention_backend`, with the tiled primitives as the way out."""
+    if not type(err).__module__.startswith("triton"):
+        return None
+    return InvalidRequest("zorro.attention_backend", f"the triton kernel fails on this device ({type(err).__name__}: "
+                                                     f"{err}); choose zorro.attention_backend=math")
+
+
 def zorro_refusals(config) -> list[str]:
     """Settings of `config` that split attention cannot compute, by name."""
     text = config.get_text_config()
@@ -140,6 +149,8 @@ def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vo
         own = _logprobs(rows, padded.targets.to(device))  # a padded batch keeps the probe's order
         ours = run(padded)
     except Exception as err:  # noqa: BLE001 -- whatever fails here is a family the engine cannot run as loaded
+        if (failure := _kernel_failure(err)) is not None:
+            raise failure from None
         if zorro:  # e.g. a family whose layers need the dense mask transformers builds for its own attention
             raise InvalidRequest("zorro.enable", f"{model_type}: a forward with ZoRRo's attention fails "
                                                  f"({type(err).__name__}: {err}); {_DISABLE}") from None
@@ -160,6 +171,8 @@ def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vo
         raise InvalidRequest("zorro.enable", f"{model_type}: {err}, so its attention would run over the whole "
                                              f"pack; {_DISABLE}") from None
     except Exception as err:  # noqa: BLE001 -- as above, for the packed forest
+        if (failure := _kernel_failure(err)) is not None:
+            raise failure from None
         raise InvalidRequest("zorro.enable", f"{model_type}: a packed forward fails ({type(err).__name__}: {err}); "
                                              f"{_DISABLE}") from None
     delivery = wrapper.last_delivery
