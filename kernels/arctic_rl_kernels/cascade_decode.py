@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from arctic_rl_kernels.triton_device import check_device, interpreted
+from arctic_rl_kernels.triton_device import check_device, interpreted, on_device
 
 CHUNK = 512
 """Keys per work item: a 32K prompt becomes 64 items per KV head."""
@@ -252,7 +252,7 @@ def _partials_kernel(
         n = n0 + cols
         inside = n < k1
         # Paged: the forest's key index is logical; its cache row is the block table's slot.
-        row = tl.load(key_rows_ptr + n, mask=inside, other=0).to(tl.int64) if PAGED else n
+        row = tl.load(key_rows_ptr + n, mask=inside, other=0).to(tl.int64) if PAGED else n.to(tl.int64)
         k = tl.load(k_base + row[:, None] * stride_kt + d[None, :] * stride_kd,
                     mask=inside[:, None] & (d[None, :] < D), other=0.0)
         s = tl.dot(q.to(DOT_DTYPE), tl.trans(k).to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
@@ -268,6 +268,7 @@ def _partials_kernel(
         m = m_new
     out = acc / l[:, None]
     lse = (m + tl.log2(l)) * 0.6931471805599453  # natural log, as the merge and callers expect
+    slot = slot.to(tl.int64)  # the unshared baseline's slots times H * DV may pass 2**31
     tl.store(out_ptr + slot[:, None] * (H * DV) + head[:, None] * DV + dv[None, :], out,
              mask=live[:, None] & (dv[None, :] < DV))
     tl.store(lse_ptr + slot * H + head, lse, mask=live)
@@ -337,17 +338,18 @@ def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # tl.dot needs every dim >= 16: rows, key tile and head sizes are padded and masked. The interpreter's
     # bf16 tl.dot multiplies bit patterns (triton issue #11584): there every dot runs in fp32.
     dot_dtype = tl.float32 if INTERPRETED else _DOT_DTYPES[q.dtype]
-    _partials_kernel[(plan.k0.numel(), Hkv)](
-        q, k_cache, v_cache, out, lse, plan.k0, plan.k1, plan.readers, plan.slots,
-        plan.k0 if plan.key_rows is None else plan.key_rows, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        scale * math.log2(math.e), H, D, DV,
-        GROUP=group, BLOCK_R=block_r, BLOCK_M=max(16, triton.next_power_of_2(block_r * group)),
-        BLOCK_N=16 if INTERPRETED else 64,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-        DOT_DTYPE=dot_dtype,
-        # fp32 dots in IEEE fp32: TF32 would break fp32 parity. 16-bit inputs take the default.
-        PRECISION="ieee" if dot_dtype == tl.float32 else None, PAGED=plan.key_rows is not None,
-    )
+    with on_device(q.device):
+        _partials_kernel[(plan.k0.numel(), Hkv)](
+            q, k_cache, v_cache, out, lse, plan.k0, plan.k1, plan.readers, plan.slots,
+            plan.k0 if plan.key_rows is None else plan.key_rows, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            scale * math.log2(math.e), H, D, DV,
+            GROUP=group, BLOCK_R=block_r, BLOCK_M=max(16, triton.next_power_of_2(block_r * group)),
+            BLOCK_N=16 if INTERPRETED else 64,
+            BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+            DOT_DTYPE=dot_dtype,
+            # fp32 dots in IEEE fp32: TF32 would break fp32 parity. 16-bit inputs take the default.
+            PRECISION="ieee" if dot_dtype == tl.float32 else None, PAGED=plan.key_rows is not None,
+        )
     merged, merged_lse = _merge(out, lse, plan.slot_seq, B)
     return (merged.to(q.dtype), merged_lse) if return_lse else merged.to(q.dtype)
 

@@ -25,9 +25,7 @@ import triton
 import triton.language as tl
 
 from arctic_rl_kernels.layout import ForestLayout
-from arctic_rl_kernels.triton_device import check_device, interpreted
-
-
+from arctic_rl_kernels.triton_device import check_device, interpreted, on_device
 
 
 def _blocks(device: torch.device) -> tuple[int, int]:
@@ -196,10 +194,14 @@ def _settings(q, k, v, mods, pos):
     Hkv, DV = k.shape[0], v.shape[-1]
     check_device(q.device, _forward_kernel, "split attention")
     block_m, block_n = _blocks(q.device)
+    block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     return dict(
-        GROUPS=H // Hkv, D=D, DV=DV, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        GROUPS=H // Hkv, D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=mods.softcap is not None, WINDOW=mods.window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreted(_forward_kernel) and q.dtype != torch.float32,
+        # fp32 tiles, and head sizes past 128, are twice the shared memory per pipeline stage: two stages, not
+        # Triton's three, keep them within a GPU's shared memory (a choice by size, not measured).
+        num_stages=2 if q.dtype == torch.float32 or max(block_d, block_dv) > 128 else 3,
     ), (pos if pos is not None else q.new_zeros(1, dtype=torch.long)), (mods.softcap or 1.0), (mods.window or 0)
 
 
@@ -210,8 +212,9 @@ def forest_attention_forward(q, k, v, layout: ForestLayout, scale: float, mods, 
     tiles = layout.query_tiles(meta["BLOCK_M"], q.device)
     out = q.new_empty((H, N, meta["DV"]))
     lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
-    _forward_kernel[(len(tiles[0]), H)](q, k, v, out, lse, pos, *tiles, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                                         N, scale, softcap, window, **meta)
+    with on_device(q.device):
+        _forward_kernel[(len(tiles[0]), H)](q, k, v, out, lse, pos, *tiles, q.stride(0), k.stride(0), v.stride(0),
+                                            out.stride(0), N, scale, softcap, window, **meta)
     return out, lse
 
 
@@ -224,9 +227,11 @@ def forest_attention_backward(dout, q, k, v, out, lse, layout: ForestLayout, sca
     lse = lse.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     key_tiles = layout.key_tiles(meta["BLOCK_N"], q.device)
-    _dkdv_kernel[(len(key_tiles[0]), k.shape[0])](q, k, v, dout, lse, delta, dk, dv, pos, *key_tiles, q.stride(0), k.stride(0),
-                                                   v.stride(0), dout.stride(0), N, scale, softcap, window, **meta)
     tiles = layout.query_tiles(meta["BLOCK_M"], q.device)
-    _dq_kernel[(len(tiles[0]), H)](q, k, v, dout, lse, delta, dq, pos, *tiles, q.stride(0), k.stride(0), v.stride(0),
-                                    dout.stride(0), N, scale, softcap, window, **meta)
+    with on_device(q.device):
+        _dkdv_kernel[(len(key_tiles[0]), k.shape[0])](q, k, v, dout, lse, delta, dk, dv, pos, *key_tiles, q.stride(0),
+                                                       k.stride(0), v.stride(0), dout.stride(0), N, scale, softcap, window,
+                                                       **meta)
+        _dq_kernel[(len(tiles[0]), H)](q, k, v, dout, lse, delta, dq, pos, *tiles, q.stride(0), k.stride(0), v.stride(0),
+                                       dout.stride(0), N, scale, softcap, window, **meta)
     return dq, dk, dv

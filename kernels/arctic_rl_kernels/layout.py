@@ -29,7 +29,8 @@ class ForestLayout:
     num_tokens: int
     _buckets: list = field(default=None, compare=False, repr=False)
     _positions: torch.Tensor = field(default=None, compare=False, repr=False)
-    _tiles: dict = field(default_factory=dict, compare=False, repr=False)
+    _tables: dict = field(default_factory=dict, compare=False, repr=False)
+    """Kernel tables and positions, built once per block size and device."""
 
     def __post_init__(self):
         n = len(self.starts)
@@ -64,9 +65,14 @@ class ForestLayout:
             out[s:e] = t
         return out
 
-    def positions(self) -> torch.Tensor:
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """[N] position of each packed token in its sequence: its segment's depth plus its offset.
-        A segment's depth is the total length of the segments enclosing it."""
+        A segment's depth is the total length of the segments enclosing it. Kept once per device."""
+        if str(device) != "cpu":
+            key = ("positions", str(device))
+            if key not in self._tables:
+                self._tables[key] = self.positions().to(device)
+            return self._tables[key]
         if self._positions is None:
             out = torch.empty(self.num_tokens, dtype=torch.long)
             for seg, ancestors in enumerate(self.ancestors()):
@@ -103,9 +109,9 @@ class ForestLayout:
         (the rule `k <= q` is the causal mask inside it and holds for every ancestor token). Built once per
         block size and device (every layer's forward and backward reads them)."""
         key = ("q", block, str(device))
-        if key not in self._tiles and str(device) != "cpu":
-            self._tiles[key] = tuple(t.to(device) for t in self.query_tiles(block))
-        if key not in self._tiles:
+        if key not in self._tables and str(device) != "cpu":
+            self._tables[key] = tuple(t.to(device) for t in self.query_tiles(block))
+        if key not in self._tables:
             q_start, q_end, ptr, k_start, k_end = [], [], [0], [], []
             for seg, ancestors in enumerate(self.ancestors()):
                 s, e = self.starts[seg], self.ends[seg]
@@ -118,25 +124,25 @@ class ForestLayout:
                     k_start.append(s)
                     k_end.append(q_end[-1])
                     ptr.append(len(k_start))
-            self._tiles[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (q_start, q_end, ptr, k_start, k_end))
-        return self._tiles[key]
+            self._tables[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (q_start, q_end, ptr, k_start, k_end))
+        return self._tables[key]
 
     def key_tiles(self, block: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
         """Tiles of at most `block` keys, none crossing a segment, and the queries that see them: int32
         (k_start, k_end, q_end). Depth-first packing makes those one range, [k_start, q_end): the rest of the
         key's segment (causal) and then its whole subtree."""
         key = ("k", block, str(device))
-        if key not in self._tiles and str(device) != "cpu":
-            self._tiles[key] = tuple(t.to(device) for t in self.key_tiles(block))
-        if key not in self._tiles:
+        if key not in self._tables and str(device) != "cpu":
+            self._tables[key] = tuple(t.to(device) for t in self.key_tiles(block))
+        if key not in self._tables:
             k_start, k_end, q_end = [], [], []
             for s, e, t in zip(self.starts, self.ends, self.subtree_ends):
                 for k in range(s, e, block):
                     k_start.append(k)
                     k_end.append(min(k + block, e))
                     q_end.append(t)
-            self._tiles[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (k_start, k_end, q_end))
-        return self._tiles[key]
+            self._tables[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (k_start, k_end, q_end))
+        return self._tables[key]
 
     def cross_parts(self) -> list[tuple[int, int, int, int]]:
         """(key_start, key_end, query_start, query_end): a segment's tokens seen, unmasked, by its whole subtree."""

@@ -278,7 +278,7 @@ def _sum_heads(dx: torch.Tensor, groups: int) -> torch.Tensor:
 class _SplitAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, layout, scale, ops, mods):
-        pos = layout.positions().to(q.device) if mods.window is not None else None
+        pos = layout.positions(q.device) if mods.window is not None else None
         groups = q.shape[0] // k.shape[0]
         if isinstance(ops, ForestKernel):
             (out, lse), buckets = ops.forward(q, k, v, layout, scale, mods, pos), None

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -21,3 +23,8 @@ def check_device(device: torch.device, kernel, name: str) -> None:
     if interpreted(kernel) and not isinstance(tl.zeros, InterpretedFunction):
         raise RuntimeError("TRITON_INTERPRET=1 was set after triton was first imported: triton.language's own "
                            "functions are compiled ones, which the interpreter cannot call; set it before")
+
+
+def on_device(device: torch.device):
+    """Triton launches on torch's current CUDA device: a launch for tensors on another GPU runs inside this."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
