@@ -11,7 +11,9 @@ forward's ranges again.
 
 GQA is read through the head index (a query head reads K/V head `h // groups`): repeated K/V are never
 materialised, and a KV head's program sums dK, dV over its query heads. Windows and softcaps are score
-rules inside the kernel; the sink merge stays outside (`split_attention`). Scores, softmax and
+rules inside the kernel; with a window, the keys (forward, dQ) and query blocks (dK, dV) it hides from a
+whole tile are skipped, so a windowed layer costs about its window per query, not its whole prefix. The
+sink merge stays outside (`split_attention`). Scores, softmax and
 accumulators are fp32 for every input dtype; fp32 inputs multiply in IEEE fp32 (no TF32).
 
 Without a GPU the kernels run under Triton's interpreter (`TRITON_INTERPRET=1`, set before this module
@@ -92,6 +94,17 @@ def _key_tile(K, V, kv, stride_kh, stride_vh, n0, n_end, D: tl.constexpr, DV: tl
 
 
 @triton.jit
+def _first_visible(POS, k0, k1, q_first, window, WINDOW: tl.constexpr):
+    """The first key of range [k0, k1) the window lets a tile's earliest query (q_first) see. Positions run
+    consecutively within a range and within a tile, so every key before it is hidden from the whole tile and
+    is skipped, not just masked: a windowed layer reads about `window` keys per query, not the whole prefix."""
+    if WINDOW:
+        hidden = (tl.load(POS + q_first) - window + 1 - tl.load(POS + k0)).to(tl.int32)
+        return tl.minimum(k1, k0 + tl.maximum(hidden, 0))
+    return k0
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_start_ptr, k_end_ptr,
                     stride_qh, stride_kh, stride_vh, stride_oh, N, scale, softcap, window,
                     GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -104,9 +117,10 @@ def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_s
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    q_first = tl.load(q_start_ptr + tile)
     for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
         k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
-        for n0 in range(k0, k1, BLOCK_N):
+        for n0 in range(_first_visible(POS, k0, k1, q_first, window, WINDOW), k1, BLOCK_N):
             offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
             s, _ = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -122,6 +136,36 @@ def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_s
     tl.store(O + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=rows[:, None] & (offs_dv[None, :] < DV))
     tl.store(LSE + h * N + offs_m, lse, mask=rows)
+
+
+@triton.jit
+def _within_window(POS, offs_m, rows, n1, window, WINDOW: tl.constexpr):
+    """Whether a block of queries may see a key tile ending at n1: with a window, not when even its earliest query
+    is `window` positions past the tile's last key (sibling subtrees restart positions, so each block is asked)."""
+    if WINDOW:
+        earliest = tl.min(tl.where(rows, tl.load(POS + offs_m), 2**62))
+        return earliest - tl.load(POS + n1 - 1) < window
+    return True
+
+
+@triton.jit
+def _dkdv_block(Q, DO, LSE, DELTA, POS, k, v, dk, dv, h, offs_m, rows, offs_n, n1, stride_qh, stride_oh, N, scale,
+                softcap, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One query block's share of a key tile's dK and dV."""
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+    do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+    lse = tl.load(LSE + h * N + offs_m)
+    delta = tl.load(DELTA + h * N + offs_m)
+    s, slope = _scores(q, k, offs_m, offs_n, n1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
+    p = tl.where(rows[:, None], tl.exp(s - lse[:, None]), 0.0)
+    dv += _dot(tl.trans(p).to(do.dtype), do, PRECISION, UPCAST)
+    ds = p * (_dot(do, tl.trans(v), PRECISION, UPCAST) - delta[:, None])
+    if SOFTCAP:
+        ds = ds * slope
+    dk += _dot(tl.trans(ds).to(q.dtype), q, PRECISION, UPCAST)
+    return dk, dv
 
 
 @triton.jit
@@ -143,18 +187,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, POS, k_start_ptr, k_end_pt
             offs_m = m0 + tl.arange(0, BLOCK_M)
             rows = offs_m < q_end
             offs_m = tl.where(rows, offs_m, n0)
-            q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
-            do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
-            lse = tl.load(LSE + h * N + offs_m)
-            delta = tl.load(DELTA + h * N + offs_m)
-            s, slope = _scores(q, k, offs_m, offs_n, n1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
-            p = tl.where(rows[:, None], tl.exp(s - lse[:, None]), 0.0)
-            dv += _dot(tl.trans(p).to(do.dtype), do, PRECISION, UPCAST)
-            dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
-            ds = p * (dp - delta[:, None])
-            if SOFTCAP:
-                ds = ds * slope
-            dk += _dot(tl.trans(ds).to(q.dtype), q, PRECISION, UPCAST)
+            if _within_window(POS, offs_m, rows, n1, window, WINDOW):
+                dk, dv = _dkdv_block(Q, DO, LSE, DELTA, POS, k, v, dk, dv, h, offs_m, rows, offs_n, n1, stride_qh, stride_oh, N,
+                                     scale, softcap, window, D, DV, BLOCK_D, BLOCK_DV, SOFTCAP, WINDOW, PRECISION, UPCAST)
     tl.store(DK + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=keys[:, None] & (offs_d[None, :] < D))
     tl.store(DV_OUT + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
@@ -175,9 +210,10 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_p
     lse = tl.load(LSE + h * N + offs_m)
     delta = tl.load(DELTA + h * N + offs_m)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_first = tl.load(q_start_ptr + tile)
     for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
         k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
-        for n0 in range(k0, k1, BLOCK_N):
+        for n0 in range(_first_visible(POS, k0, k1, q_first, window, WINDOW), k1, BLOCK_N):
             offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
             s, slope = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
             p = tl.exp(s - lse[:, None])
