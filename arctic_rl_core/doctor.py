@@ -46,6 +46,11 @@ def diagnose() -> dict:
             "names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         }
         devices["flex_attention"] = _importable("torch.nn.attention.flex_attention") is None
+        from arctic_rl_kernels.split_attention import select_ops, triton_usable
+
+        # What `zorro.attention_backend: auto` runs here, and whether the Triton kernels can.
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        devices["zorro_attention"] = {"auto": select_ops("auto", device).name, "triton": triton_usable(device)}
     except ImportError as exc:
         devices["torch"] = f"not installed: {exc}"
     report["devices"] = devices

@@ -29,6 +29,9 @@ def test_doctor_reports_engines_samplers_and_devices():
     assert report["packages"]["torch"] == torch.__version__
     assert report["components"]["engine:deepspeed"] == "usable"
     assert report["devices"]["cuda"]["available"] == torch.cuda.is_available()
+    # ZoRRo's attention: the fused Triton kernel on CUDA, ATen's CPU flash kernels here (Triton interpreted: tests)
+    assert report["devices"]["zorro_attention"] == ({"auto": "triton", "triton": True} if torch.cuda.is_available()
+                                                    else {"auto": "cpu_flash", "triton": True})
     assert "deepspeed" in report["engines"] and "transformers" in report["samplers"]
 
 
