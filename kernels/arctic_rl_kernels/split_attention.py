@@ -283,7 +283,9 @@ class _SplitAttention(torch.autograd.Function):
         if isinstance(ops, ForestKernel):
             (out, lse), buckets = ops.forward(q, k, v, layout, scale, mods, pos), None
         else:
-            out, lse, buckets = _forward_parts(q, _repeat_heads(k, groups), _repeat_heads(v, groups), layout, scale, ops, mods, pos)
+            # The parts' primitives take K/V per query head: repeated once here, and kept for backward.
+            k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
+            out, lse, buckets = _forward_parts(q, k, v, layout, scale, ops, mods, pos)
         if sinks is not None:
             # A sink is one more logit per head in every row's softmax, with a zero value: one more LSE merge.
             merged = torch.logaddexp(lse, sinks.float()[:, None])
@@ -291,6 +293,7 @@ class _SplitAttention(torch.autograd.Function):
             lse = merged
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.layout, ctx.scale, ctx.ops, ctx.mods, ctx.pos, ctx.buckets = layout, scale, ops, mods, pos, buckets
+        ctx.groups = groups
         return out
 
     @staticmethod
@@ -298,13 +301,11 @@ class _SplitAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         layout, scale, ops, mods, pos = ctx.layout, ctx.scale, ctx.ops, ctx.mods, ctx.pos
         dout = dout.contiguous()
-        groups = q.shape[0] // k.shape[0]
         if isinstance(ops, ForestKernel):
             dq, dk, dv = ops.backward(dout, q, k, v, out, lse, layout, scale, mods, pos)
         else:
-            dq, dk, dv = _backward_parts(dout, q, _repeat_heads(k, groups), _repeat_heads(v, groups), out, lse, layout,
-                                         scale, ops, mods, pos, ctx.buckets)
-            dk, dv = _sum_heads(dk, groups), _sum_heads(dv, groups)
+            dq, dk, dv = _backward_parts(dout, q, k, v, out, lse, layout, scale, ops, mods, pos, ctx.buckets)
+            dk, dv = _sum_heads(dk, ctx.groups), _sum_heads(dv, ctx.groups)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d lse_total / d sink = p_sink; the sink's value is 0, so dL/dsink = -sum_rows p_sink * (dout . out).
