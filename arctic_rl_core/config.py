@@ -77,9 +77,10 @@ class ZorroConfig(_Config):
     enable: bool = True
     min_shared_tokens: int = Field(1, ge=1)
     """Shorter common prefixes are not shared."""
-    attention_backend: Literal["auto", "cpu_flash", "math", "triton"] = "auto"
-    """Split attention's kernels (docs/zorro.md): `auto` is `cpu_flash` on CPU and `triton` (the fused forest
-    kernel) on CUDA."""
+    attention_backend: Literal["auto", "cpu_flash", "cuda_flash", "math", "triton"] = "auto"
+    """Split attention's kernels (docs/zorro.md): `auto` runs the fastest measured on this device model and dtype
+    (`arctic-rl bench attention --save`); unmeasured, `triton` (the fused forest kernel) on CUDA and `cpu_flash`
+    on CPU."""
 
 
 class ReferenceConfig(_Config):

@@ -46,11 +46,17 @@ def diagnose() -> dict:
             "names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
         }
         devices["flex_attention"] = _importable("torch.nn.attention.flex_attention") is None
-        from arctic_rl_kernels.split_attention import select_ops, triton_usable
+        from arctic_rl_kernels import backend_timings
+        from arctic_rl_kernels.split_attention import auto_backend, triton_usable
 
-        # What `zorro.attention_backend: auto` runs here, and whether the Triton kernels can.
+        # What `zorro.attention_backend: auto` runs here per dtype, whether that was measured on this device model
+        # (`arctic-rl bench attention --save`), and whether the Triton kernels can run.
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        devices["zorro_attention"] = {"auto": select_ops("auto", device).name, "triton": triton_usable(device)}
+        devices["zorro_attention"] = {
+            "auto": {str(dtype).removeprefix("torch."): auto_backend(device, dtype) for dtype in (torch.float32, torch.bfloat16)},
+            "measured": backend_timings.recorded(device).get("date"),
+            "triton": triton_usable(device),
+        }
     except ImportError as exc:
         devices["torch"] = f"not installed: {exc}"
     report["devices"] = devices

@@ -8,6 +8,9 @@ import sys
 import pytest
 import torch
 
+from arctic_rl_kernels import backend_timings
+from arctic_rl_kernels.split_attention import auto_backend
+
 CLI = [os.path.join(os.path.dirname(sys.executable), "arctic-rl")]
 
 
@@ -29,9 +32,14 @@ def test_doctor_reports_engines_samplers_and_devices():
     assert report["packages"]["torch"] == torch.__version__
     assert report["components"]["engine:deepspeed"] == "usable"
     assert report["devices"]["cuda"]["available"] == torch.cuda.is_available()
-    # ZoRRo's attention: the fused Triton kernel on CUDA, ATen's CPU flash kernels here (Triton interpreted: tests)
-    assert report["devices"]["zorro_attention"] == ({"auto": "triton", "triton": True} if torch.cuda.is_available()
-                                                    else {"auto": "cpu_flash", "triton": True})
+    # ZoRRo's attention: what auto runs per dtype (measured on this device model, or the fixed order), and Triton
+    # (interpreted in tests).
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert report["devices"]["zorro_attention"] == {
+        "auto": {"float32": auto_backend(device, torch.float32), "bfloat16": auto_backend(device, torch.bfloat16)},
+        "measured": backend_timings.recorded(device).get("date"),
+        "triton": True,
+    }
     assert "deepspeed" in report["engines"] and "transformers" in report["samplers"]
 
 

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from arctic_rl_kernels import split_attention as sa
 from arctic_rl_kernels.layout import ForestLayout
 from arctic_rl_kernels.split_attention import split_attention
 from arctic_rl_kernels.split_attention_reference import split_attention_reference
@@ -96,7 +97,6 @@ def test_prefix_gradient_accumulates_over_suffixes():
 def test_a_prefix_is_read_once_for_all_its_suffixes_without_copies():
     """The cross part hands the primitives views of the packed K/V (no copy per suffix), in one call for
     the prefix's whole subtree, forward and backward."""
-    from arctic_rl_kernels import split_attention as sa
 
     P, R, G, H, D = 6, 3, 4, 2, 8
     layout = ForestLayout((0,) + tuple(P + i * R for i in range(G)), (P,) + tuple(P + (i + 1) * R for i in range(G)),
@@ -204,3 +204,40 @@ def test_grouped_query_attention_reads_each_kv_head_for_its_query_heads(backend)
         assert gf.shape == gr.shape and (gf - gr).norm() <= 1e-5 * gr.norm()
     with pytest.raises(ValueError, match="must be equal and divide the query heads"):
         split_attention(q, k[:1].expand(4, -1, -1), v[:1].expand(4, -1, -1), layout, 0.25, backend=backend)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda_flash runs ATen's CUDA kernels: no CUDA device here")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_flash_matches_reference(dtype):
+    """ATen's CUDA kernels as the parts' primitives (FlashAttention-2 in 16 bits, memory-efficient in fp32), GQA."""
+    layout = random_forest(random.Random(3), trees=2, max_children=3, max_len=40, depth=2)
+    torch.manual_seed(3)
+    q = torch.randn(4, layout.num_tokens, 64, device="cuda").to(dtype).requires_grad_()
+    k, v = (torch.randn(2, layout.num_tokens, 64, device="cuda").to(dtype).requires_grad_() for _ in range(2))
+    fast = split_attention(q, k, v, layout, 0.125, backend="cuda_flash")
+    q32, k32, v32 = (t.detach().double().float().requires_grad_() for t in (q, k, v))
+    ref = split_attention_reference(q32, k32.repeat_interleave(2, 0), v32.repeat_interleave(2, 0), layout, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (fast.float() - ref).norm() <= tolerance * ref.norm()
+    dout = torch.randn_like(ref)
+    for gf, gr in zip(torch.autograd.grad(fast, (q, k, v), dout.to(dtype)), torch.autograd.grad(ref, (q32, k32, v32), dout)):
+        assert (gf.float() - gr).norm() <= tolerance * gr.norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_flash_calls_follow_atens_contracts(dtype, causal):
+    """Without a GPU, the CUDA primitives' calls run on meta tensors, through the shape rules PyTorch registers
+    for those kernels: arguments accepted, LSE one per query row (fp32's padded LSE trimmed), one gradient per
+    input. (Their numbers are checked on CUDA above.)"""
+    B, H, Lq, D = 3, 4, 100, 64
+    Lk = Lq if causal else 130  # the cross parts: a prefix's keys for its subtree's queries
+    q = torch.empty(B, H, Lq, D, device="meta", dtype=dtype)
+    k, v = (torch.empty(B, H, Lk, D, device="meta", dtype=dtype) for _ in range(2))
+    out, lse = sa.CUDA_FLASH.forward(q, k, v, causal, 0.125, sa.NO_MODS, None, None)
+    assert out.shape == q.shape and lse.shape == (B, H, Lq) and lse.dtype == torch.float32
+    grads = sa.CUDA_FLASH.backward(torch.empty_like(out), q, k, v, out, lse, causal, 0.125, sa.NO_MODS, None, None)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

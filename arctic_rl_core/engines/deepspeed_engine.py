@@ -94,7 +94,7 @@ def refuse_unsupported(config: BackendConfig) -> None:
         raise InvalidRequest("model_path", f"{config.model_path!r} is not a directory")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     try:
-        select_ops(config.zorro.attention_backend, device)
+        select_ops(config.zorro.attention_backend, device, getattr(torch, config.engine.dtype))
     except ValueError as err:
         raise InvalidRequest("zorro.attention_backend", str(err)) from None
 

@@ -10,8 +10,6 @@ CPU to check the code path; its timings mean nothing.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 SEED = 1234
 BANDWIDTH_GBS = {"H200": 4800, "H100 80GB HBM3": 3350, "H100 PCIe": 2000}
@@ -24,31 +22,10 @@ def known_bandwidth(device_name: str) -> float | None:
     return next((gbs for key, gbs in BANDWIDTH_GBS.items() if key in device_name), None)
 
 
-def median_seconds(fn, repeats: int, cuda: bool) -> float:
-    """Median of `repeats` calls after one more warm-up call; on GPU timed by CUDA events."""
-    import torch
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(spec: dict, group: int, bandwidth_gbs: float | None, device: str) -> dict:
     import torch
 
+    from arctic_rl_bench.measure import median_seconds
     from arctic_rl_kernels.cascade_decode import DecodeForest, cascade_decode, kv_read_bytes
 
     dtype = getattr(torch, spec["dtype"])
@@ -62,7 +39,7 @@ def measure(spec: dict, group: int, bandwidth_gbs: float | None, device: str) ->
     result, outs = {"group": group}, {}
     for name, f in variants.items():
         outs[name] = cascade_decode(q, k, v, f, **kwargs).float()  # also the first warm-up: compiles, uploads the plan
-        seconds = median_seconds(lambda: cascade_decode(q, k, v, f, **kwargs), spec["repeats"], device == "cuda")
+        seconds, _ = median_seconds(lambda: cascade_decode(q, k, v, f, **kwargs), spec["repeats"], cuda=device == "cuda")
         read = kv_read_bytes(f, q, k, v, chunk=spec["chunk"], block_r=spec["block_r"])
         bound_s = read / (bandwidth_gbs * 1e9) if bandwidth_gbs else None
         result[name] = {"s": seconds, "tokens_per_s": group / seconds, "kv_read_bytes": read,

@@ -11,6 +11,7 @@ from arctic_rl_core.plugins import Command, hookimpl
 
 BENCHMARKS = {
     "zorro": "fwd_bwd and log_probs with ZoRRo off vs on",
+    "attention": "split attention's backends side by side on one forest (one layer); --save records them for auto",
     "server": "HTTP round-trip latency, payload throughput and fwd_bwd request overhead over loopback",
     "serve": "requests/s and tokens/s through /v1/completions vs the direct generate call, on one sampler",
     "update": "an adapter's actor update: log_probs + fwd_bwd (two forwards) vs fwd_bwd returning log-probs (one)",

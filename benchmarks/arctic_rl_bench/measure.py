@@ -21,14 +21,27 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, cuda: bool = False) -> tuple[float, list[float]]:
+    """Median (and all) of `repeats` timed calls after `warmup` untimed ones; with `cuda`, timed by CUDA
+    events from an idle device, so the GPU's work counts, not only its launch."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        if cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times), times
 
 

@@ -59,6 +59,24 @@ class ForestLayout:
         ends = tuple(s + n for s, n in zip(starts, lengths))
         return ForestLayout(tuple(starts), ends, ends, pos)
 
+    @staticmethod
+    def groups(prompt_lengths: list[int], response_lengths: list[list[int]]) -> "ForestLayout":
+        """GRPO groups packed one after another: group g's prompt, then each of its responses."""
+        if len(prompt_lengths) != len(response_lengths):
+            raise ValueError(f"response_lengths has {len(response_lengths)} groups, prompt_lengths {len(prompt_lengths)}")
+        starts, ends, subtree_ends, pos = [], [], [], 0
+        for prompt, responses in zip(prompt_lengths, response_lengths):
+            starts.append(pos)
+            ends.append(pos + prompt)
+            subtree_ends.append(pos + prompt + sum(responses))
+            pos += prompt
+            for n in responses:
+                starts.append(pos)
+                ends.append(pos + n)
+                subtree_ends.append(pos + n)
+                pos += n
+        return ForestLayout(tuple(starts), tuple(ends), tuple(subtree_ends), pos)
+
     def token_subtree_ends(self) -> torch.Tensor:
         out = torch.empty(self.num_tokens, dtype=torch.long)
         for s, e, t in zip(self.starts, self.ends, self.subtree_ends):

@@ -12,11 +12,13 @@ sequence, so it spans the prefix boundary as in the unshared sequence), an atten
 softcap, and attention sinks (one more LSE merge, with a zero value).
 
 Primitives (`AttentionOps`) are swappable: `cpu_flash` uses ATen's CPU flash-attention
-kernels; `math` is matmul-based, tiled over queries, runs on any device and also applies
-windows, softcaps and a value head size other than the query's. `triton` is a `ForestKernel`
-instead: one fused kernel for the whole forest (`forest_flash_attention.py`), nothing to merge.
-K/V may have fewer heads than Q (GQA): the fused kernel reads them through the head index; the
-parts' primitives get them repeated.
+kernels, `cuda_flash` ATen's CUDA ones (FlashAttention-2 for 16-bit inputs, the memory-efficient
+kernels for fp32: both return the LSE); `math` is matmul-based, tiled over queries, runs on any
+device and also applies windows, softcaps and a value head size other than the query's. `triton`
+is a `ForestKernel` instead: one fused kernel for the whole forest (`forest_flash_attention.py`),
+nothing to merge. K/V may have fewer heads than Q (GQA): the fused kernel reads them through the
+head index; the parts' primitives get them repeated. `auto` runs the fastest one measured on the
+device model (`backend_timings.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from arctic_rl_kernels import backend_timings
 from arctic_rl_kernels.layout import ForestLayout
 
 # Padded query rows get this LSE in backward, so exp(score - lse) == 0 there.
@@ -70,6 +73,25 @@ def _cpu_flash_forward(q, k, v, causal, scale, mods, q_pos, k_pos):
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, mods, q_pos, k_pos):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _cuda_forward(q, k, v, causal, scale, mods, q_pos, k_pos):
+    if q.dtype == torch.float32:  # ATen's CUDA flash kernels take only 16-bit inputs; the memory-efficient ones fp32
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., : q.shape[-2]]  # its LSE is padded to a multiple of 32 rows
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, scale, mods, q_pos, k_pos):
+    # No dropout, so the random state is never read; no sequence bounds (None): dense [B, H, L, D] inputs.
+    if q.dtype == torch.float32:
+        lse = torch.nn.functional.pad(lse, (0, -q.shape[-2] % 32), value=_PAD_LSE).contiguous()
+        unused = torch.zeros((), dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, unused, unused, 0.0, [True, True, True, False], causal, scale=scale)[:3]
+    seed, offset = (torch.zeros(shape, dtype=torch.uint64, device=q.device) for shape in ((2,), ()))
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[-2], k.shape[-2], 0.0, causal, seed, offset, scale=scale)
 
 
 _QUERY_TILE = 1024
@@ -156,9 +178,13 @@ def _triton_backward(*args):
 
 
 CPU_FLASH = AttentionOps("cpu_flash", _cpu_flash_forward, _cpu_flash_backward, supports_mods=False)
+CUDA_FLASH = AttentionOps("cuda_flash", _cuda_forward, _cuda_backward, supports_mods=False)
 MATH = AttentionOps("math", _math_forward, _math_backward, supports_mods=True)
 TRITON = ForestKernel("triton", _triton_forward, _triton_backward)
-BACKENDS = {"cpu_flash": CPU_FLASH, "math": MATH, "triton": TRITON}
+BACKENDS = {"cpu_flash": CPU_FLASH, "cuda_flash": CUDA_FLASH, "math": MATH, "triton": TRITON}
+# `auto` on a device without measured timings: the fused kernel (it never materialises scores and serves
+# every score rule), then the device's flash primitives, then the tiled math.
+_UNMEASURED_ORDER = ("triton", "cuda_flash", "cpu_flash", "math")
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -170,23 +196,45 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
 
 
-def select_ops(name: str, device: torch.device, mods: ScoreMods = NO_MODS,
+def unusable(name: str, device: torch.device) -> str | None:
+    """Why backend `name` cannot run on `device`, or None."""
+    if name == "cpu_flash" and device.type != "cpu":
+        return f"runs ATen's CPU kernels; this is {device.type}"
+    if name == "cuda_flash" and device.type != "cuda":
+        return f"runs ATen's CUDA kernels; this is {device.type}"
+    if name == "triton" and not triton_usable(device):
+        return f"needs Triton and a CUDA device (or TRITON_INTERPRET=1); this is {device.type}"
+    return None
+
+
+def _serves(ops: AttentionOps | ForestKernel, mods: ScoreMods, equal_head_dims: bool) -> bool:
+    # Flash primitives take no score modification and one head size for Q, K and V.
+    return isinstance(ops, ForestKernel) or ops.supports_mods or (not mods.active and equal_head_dims)
+
+
+def auto_backend(device: torch.device, dtype: torch.dtype, mods: ScoreMods = NO_MODS, equal_head_dims: bool = True) -> str:
+    """The fastest backend measured on this device model and dtype (`backend_timings`) among those that run
+    here and serve these score rules; without timings, the first of `_UNMEASURED_ORDER` that does. Triton
+    counts only compiled: the interpreter is for tests."""
+    candidates = [name for name in _UNMEASURED_ORDER
+                  if unusable(name, device) is None and _serves(BACKENDS[name], mods, equal_head_dims)
+                  and not (name == "triton" and device.type != "cuda")]
+    return backend_timings.fastest(device, dtype, candidates) or candidates[0]
+
+
+def select_ops(name: str, device: torch.device, dtype: torch.dtype = torch.float32, mods: ScoreMods = NO_MODS,
                equal_head_dims: bool = True) -> AttentionOps | ForestKernel:
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown split-attention backend {name!r}; choose auto, {', '.join(BACKENDS)}")
     if name == "auto":
-        # CPU: ATen's flash kernels (measured, docs/zorro.md). CUDA: the fused forest kernel, which never
-        # materialises scores, where the math primitives' fp32 score tiles would.
-        name = "cpu_flash" if device.type == "cpu" else "triton" if triton_usable(device) else "math"
-    if name == "triton" and not triton_usable(device):
-        raise ValueError(f"the triton split-attention backend needs Triton and a CUDA device (or TRITON_INTERPRET=1); "
-                         f"this is {device.type}")
+        name = auto_backend(device, dtype, mods, equal_head_dims)
+    reason = unusable(name, device)
+    if reason is not None:
+        raise ValueError(f"the {name} split-attention backend {reason}")
     ops = BACKENDS[name]
-    # Flash primitives take no score modification and one head size for Q, K and V: layers with windows,
-    # softcaps or a different value head size (multi-latent attention) run the math ones.
-    if isinstance(ops, AttentionOps) and (mods.active or not equal_head_dims) and not ops.supports_mods:
-        return MATH
-    return ops
+    # Layers with windows, softcaps or a different value head size (multi-latent attention) run the math
+    # primitives where the chosen ones cannot.
+    return ops if _serves(ops, mods, equal_head_dims) else MATH
 
 
 def _bucket_index(layout: ForestLayout, members: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,5 +381,5 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: F
     if sinks is not None and sinks.shape != (q.shape[0],):
         raise ValueError(f"sinks must hold one logit per head ({q.shape[0]}), got shape {tuple(sinks.shape)}")
     mods = ScoreMods(softcap=softcap, window=window)
-    ops = select_ops(backend, q.device, mods, equal_head_dims=v.shape[-1] == q.shape[-1])
+    ops = select_ops(backend, q.device, q.dtype, mods, equal_head_dims=v.shape[-1] == q.shape[-1])
     return _SplitAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, layout, scale, ops, mods)
