@@ -4,12 +4,15 @@ forest cascade attention (the prompt's K/V read once for the group) and without 
 allow at the device's memory bandwidth.
 
 It measures on a CUDA GPU only. `--interpret-smoke` runs a tiny shape under the Triton interpreter on
-CPU to check the code path; its timings mean nothing.
+CPU to check the code path; its timings mean nothing. Measuring needs only torch and Triton: `python -m
+arctic_rl_bench.cascade` runs it on a GPU machine with nothing else installed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 
 SEED = 1234
 BANDWIDTH_GBS = {"H200": 4800, "H100 80GB HBM3": 3350, "H100 PCIe": 2000}
@@ -72,11 +75,11 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     import torch
 
-    from arctic_rl_core.patches import environment_default
-
     spec = {k: getattr(args, k) for k in ("prompt_len", "group", "suffix_len", "heads", "kv_heads", "head_dim", "dtype",
                                            "repeats", "chunk", "block_r")}
     if args.interpret_smoke:
+        from arctic_rl_core.patches import environment_default
+
         spec.update(SMOKE)
         # Triton picks interpreted or compiled functions as it decorates them: before it is first imported.
         environment_default("TRITON_INTERPRET", "1", "Triton: --interpret-smoke runs the kernel on CPU", __name__)
@@ -128,3 +131,9 @@ def main(args) -> int:
         print(f"G={r['group']:<3} speedup {r['speedup']:.2f}x (read bound {r['bound_speedup']:.2f}x), "
               f"parity max rel err {r['parity_max_rel_err']:.1e}")
     return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m arctic_rl_bench.cascade", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
