@@ -77,6 +77,10 @@ class ZorroConfig(_Config):
     enable: bool = True
     min_shared_tokens: int = Field(1, ge=1)
     """Shorter common prefixes are not shared."""
+    inference: bool = False
+    """Generation's half: vLLM decodes with forest cascade attention, reading a shared prefix's KV cache once per
+    step for all the samples that share it (docs/zorro.md). vLLM sampler only; Triton kernels, so CUDA (on a
+    CPU only under TRITON_INTERPRET=1, as a correctness check)."""
     attention_backend: Literal["auto", "cpu_flash", "cuda_flash", "math", "triton"] = "auto"
     """Split attention's kernels (docs/zorro.md): `auto` runs the fastest measured on this device model and dtype
     (`arctic-rl bench attention --save`); unmeasured, `triton` (the fused forest kernel) on CUDA and `cpu_flash`
@@ -179,6 +183,14 @@ class BackendConfig(_Config):
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     ray: RaySettings = Field(default_factory=RaySettings)
+
+    @field_validator("zorro")
+    @classmethod
+    def _cascade_in_vllm(cls, zorro: ZorroConfig, info: ValidationInfo):
+        sampler = info.data.get("sampler")
+        if zorro.inference and sampler is not None and sampler.name != "vllm":
+            raise ValueError(f"zorro.inference is forest cascade attention inside vLLM; sampler.name is {sampler.name!r}")
+        return zorro
 
     @field_validator("critic")
     @classmethod

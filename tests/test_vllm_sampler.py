@@ -116,3 +116,22 @@ def test_truncated_sampling_reports_the_models_own_log_probs_at_temperature_one(
     assert result["min_tokens"] < 1e-3 and result["min_tokens_shortest"] >= 6, result
     assert result["hot_top_p"] == "sampling.top_p" and result["hot_min_tokens"] == "sampling.min_tokens"
     assert result["hot_plain"] == 2
+
+
+@pytest.mark.scenario
+@pytest.mark.parametrize("placement", ["in_process", "subprocess"])
+def test_zorro_inference_decodes_shared_prompts_with_forest_cascade_attention(tiny_model, placement):
+    """zorro.inference inside vLLM (here its CPU engine, the kernels under Triton's interpreter): the decoding steps
+    of 2 prompts x 4 samples read each prompt's shared blocks once, and the samples' log-probs are the trainer's.
+    In a vLLM process of its own it is registered by our vllm.general_plugins entry point."""
+    result = run_scenario("cascade", tiny_model, placement)
+    assert result["lengths"] == [8] and result["distinct"] > 1
+    assert result["sampled_err"] <= 1e-4
+    # 8 tokens: the first from the prefill, 7 decoding steps, each in both attention layers.
+    assert result["served_groups"] == {"cascade": 7, "cascade_layers": 14}
+    assert result["served"] == {"cascade": 7, "cascade_layers": 14, "plain": 3}  # unrelated prompts: vLLM's own
+    if placement == "in_process":  # vLLM's registry is restored once the engine's layers hold their backend
+        patches = result["patches"]
+        assert patches["vLLM's attention backend overrides[<AttentionBackendEnum.CUSTOM: None>]"] == 0
+        assert patches["vllm.triton_utils.triton"] == 0
+

@@ -12,13 +12,14 @@ import threading
 import time
 
 
-def backend(model_dir, sync="shared_memory", placement="in_process", layout="plain"):
+def backend(model_dir, sync="shared_memory", placement="in_process", layout="plain", zorro=None, engine_args=None):
     from arctic_rl_core.backend import InProcessBackend
 
     # 0.1 MB buckets: the tiny model's weights then travel in several (the bucketed paths reuse their buffers).
-    return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2},
+    return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2}, "zorro": zorro or {},
                              "sampler": {"name": "vllm", "sync": sync, "placement": placement, "kv_cache_mb": 64,
-                                         "bucket_mb": 0.1, "cpu_weight_layout": layout}})
+                                         "bucket_mb": 0.1, "cpu_weight_layout": layout,
+                                         "engine_args": engine_args or {}}})
 
 
 def max_err(a, b):
@@ -232,6 +233,28 @@ def abort(model_dir):
             "engine_idle": not api.sampler.llm.llm_engine.has_unfinished_requests()}
 
 
+def cascade(model_dir, placement="in_process"):
+    """zorro.inference: decoding steps whose samples share prompt blocks run forest cascade attention inside
+    vLLM, and what they sample is what the trainer computes."""
+    from arctic_rl_core.patches import applied
+    from arctic_rl_core.types import SamplingParams
+
+    # 16-token blocks: the 70-token prompt's samples share 4 full blocks, the 40-token one's 2.
+    api = backend(model_dir, placement=placement, zorro={"inference": True}, engine_args={"block_size": 16})
+    prompts = [[(7 * i + 3) % 500 + 1 for i in range(70)], [(11 * i + 5) % 500 + 1 for i in range(40)]]
+    completions = api.generate(prompts, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3))
+    seqs = [{"prompt_ids": prompts[c.prompt_index], "response_ids": c.token_ids} for c in completions]
+    result = {"sampled_err": max_err([c.logprobs for c in completions], api.log_probs(seqs).logprobs),
+              "lengths": sorted({len(c.token_ids) for c in completions}),
+              "distinct": len({tuple(c.token_ids) for c in completions})}
+    result["served_groups"] = api.sampler.forest_cascade_served()
+    # Two unrelated prompts, one sample each: nothing is shared, vLLM's own Triton attention decodes.
+    api.generate([[9] * 20, [8] * 20], SamplingParams(n=1, max_tokens=4, temperature=0.0))
+    result["served"] = api.sampler.forest_cascade_served()
+    result["patches"] = {row["patch"]: row["active"] for row in applied()}
+    return result
+
+
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
     from transformers.utils import logging as hf_logging
@@ -240,5 +263,5 @@ if __name__ == "__main__":
     hf_logging.disable_progress_bar()
     scenario, model_dir, *rest = sys.argv[1:]
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
-              "abort": abort, "truncated": truncated}[scenario](model_dir, *rest)
+              "abort": abort, "truncated": truncated, "cascade": cascade}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

@@ -97,6 +97,10 @@ def refuse_unsupported(config: BackendConfig) -> None:
         select_ops(config.zorro.attention_backend, device, getattr(torch, config.engine.dtype))
     except ValueError as err:
         raise InvalidRequest("zorro.attention_backend", str(err)) from None
+    if config.zorro.inference:
+        from arctic_rl_core.samplers.vllm_forest_cascade import check
+
+        check(device.type == "cuda", config.sampler.dtype or config.engine.dtype)
 
 
 class DeepSpeedEngine(TrainingEngine):

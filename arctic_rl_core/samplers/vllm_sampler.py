@@ -13,8 +13,9 @@ import logging
 import os
 import tempfile
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
@@ -80,7 +82,9 @@ class VLLMSampler(Sampler):
                                          "max_num_batched_tokens": max(self.max_context, 8192)}
         if not self.cuda and sc.cpu_weight_layout == "plain":
             cpu_only["load_format"] = PLAIN_WEIGHTS_LOAD_FORMAT
-        with _engine_in_this_process(sc.placement == "in_process"):
+        cascade = config.zorro.inference  # checked at start-up (deepspeed_engine.refuse_unsupported)
+        with _engine_in_this_process(sc.placement == "in_process"), \
+                forest_cascade.enabled(self.cuda) if cascade else nullcontext():
             self.llm = LLM(
                 model=config.model_path,
                 dtype=sc.dtype or config.engine.dtype,
@@ -92,7 +96,7 @@ class VLLMSampler(Sampler):
                 worker_extension_cls=_EXTENSION,
                 enable_sleep_mode=sc.sleep_during_training,
                 **memory,
-                **{**cpu_only, **sc.engine_args},
+                **{**cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}), **sc.engine_args},
             )
         self._sync_dir = sc.sync_dir or tempfile.mkdtemp(prefix="arctic-rl-sync-")
         self._group = None
@@ -104,6 +108,15 @@ class VLLMSampler(Sampler):
         self._direct = self._expose_weights() if sc.sync == "shared_memory" else None
         self._direct_checked = False
         self._set_route()
+
+    def forest_cascade_served(self) -> dict:
+        """zorro.inference: the engine's decoding steps run with forest cascade attention (`cascade`), those whose
+        sequences shared nothing (`plain`), and attention layer calls it served (`cascade_layers`). Between
+        generate calls: it asks the engine's workers."""
+        served = Counter()
+        for worker in self.llm.collective_rpc("arctic_forest_cascade_served"):
+            served.update(worker)
+        return dict(served)
 
     # -- generation ------------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ import tempfile
 import weakref
 from datetime import timedelta
 
+import sys
+
 import torch
 
 from arctic_rl_core.errors import ArcticRLError
@@ -223,6 +225,11 @@ def join_group(host: str, port: int, rank: int, timeout_s: float, is_master: boo
 
 
 class WeightSyncExtension:
+    def arctic_forest_cascade_served(self) -> dict:
+        """Decoding steps this worker ran with forest cascade attention (zorro.inference), and without."""
+        module = sys.modules.get("arctic_rl_core.samplers.vllm_forest_attention")
+        return {} if module is None else dict(module.SERVED)
+
     def arctic_load_weights(self, weights) -> int:
         """In-process engine: `weights` yields the trainer's tensors themselves (shared memory, no copy in transit)."""
         return self._arctic_reload(weights)
