@@ -23,6 +23,14 @@ def test_bf16_under_the_interpreter_is_refused_on_the_sampler_dtype(tiny_model):
         InProcessBackend({"model_path": tiny_model, "zorro": {"inference": True}, "sampler": {"dtype": "bfloat16"}})
 
 
+def test_another_vllm_release_is_refused(tiny_model, monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.11.2")
+    with pytest.raises(InvalidRequest, match="zorro.inference: the forest cascade backend is built on vLLM 0.32"):
+        InProcessBackend({"model_path": tiny_model, "zorro": {"inference": True}})
+
+
 def test_zorro_inference_needs_the_vllm_sampler(tiny_model):
     with pytest.raises(InvalidRequest, match="zorro.inference is forest cascade attention inside vLLM"):
         InProcessBackend({"model_path": tiny_model, "zorro": {"inference": True}, "sampler": {"name": "transformers"}})

@@ -129,7 +129,13 @@ def test_zorro_inference_decodes_shared_prompts_with_forest_cascade_attention(ti
     assert result["sampled_err"] <= 1e-4
     # 8 tokens: the first from the prefill, 7 decoding steps, each in both attention layers.
     assert result["served_groups"] == {"cascade": 7, "cascade_layers": 14}
-    assert result["served"] == {"cascade": 7, "cascade_layers": 14, "plain": 3}  # unrelated prompts: vLLM's own
+    # After a step and a sync the engine still decodes with it, with the new weights (how many of the 2 samples'
+    # steps share depends on whether vLLM prefilled them in one step); then unrelated prompts, sharing nothing,
+    # decode with vLLM's own kernels (3 steps).
+    served = result["served"]
+    assert result["synced_err"] <= 1e-4
+    assert served["cascade"] > 7 and served["cascade_layers"] == 2 * served["cascade"]
+    assert served["plain"] >= 3 and served["cascade"] + served["plain"] == 7 + 2 + 3
     if placement == "in_process":  # vLLM's registry is restored once the engine's layers hold their backend
         patches = result["patches"]
         assert patches["vLLM's attention backend overrides[<AttentionBackendEnum.CUSTOM: None>]"] == 0

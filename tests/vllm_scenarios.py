@@ -248,8 +248,17 @@ def cascade(model_dir, placement="in_process"):
               "lengths": sorted({len(c.token_ids) for c in completions}),
               "distinct": len({tuple(c.token_ids) for c in completions})}
     result["served_groups"] = api.sampler.forest_cascade_served()
+    # A training step and a sync: the engine keeps its backend (the registry was restored after its start).
+    from tests.helpers import grpo_batch
+
+    api.fwd_bwd(grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6), "grpo")
+    api.step()
+    api.sync_weights()
+    again = api.generate(prompts[:1], SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=4))
+    result["synced_err"] = max_err([c.logprobs for c in again], api.log_probs(
+        [{"prompt_ids": prompts[0], "response_ids": c.token_ids} for c in again]).logprobs)
     # Two unrelated prompts, one sample each: nothing is shared, vLLM's own Triton attention decodes.
-    api.generate([[9] * 20, [8] * 20], SamplingParams(n=1, max_tokens=4, temperature=0.0))
+    api.generate([[9] * 20, [8] * 20], SamplingParams(n=1, max_tokens=4, temperature=0.0))  # 3 plain steps
     result["served"] = api.sampler.forest_cascade_served()
     result["patches"] = {row["patch"]: row["active"] for row in applied()}
     return result

@@ -28,6 +28,8 @@ ENV = "ARCTIC_RL_FOREST_CASCADE"
 """Set to 1 in a vLLM process whose engine should decode with forest cascade attention."""
 BACKEND = "arctic_rl_core.samplers.vllm_forest_attention.ForestCascadeBackend"
 ENGINE_ARGS = {"attention_backend": "CUSTOM"}
+VLLM_SERIES = "0.32."
+"""The vLLM release series whose backend interface (registry, builder, Triton impl) the backend subclasses."""
 _TRITON_NAMES = ("triton", "tl", "tldevice", "gluon", "gl", "aggregate")
 
 
@@ -37,6 +39,11 @@ def check(cuda: bool, dtype: str) -> None:
         import triton
     except ImportError:
         raise InvalidRequest("zorro.inference", "forest cascade attention runs Triton kernels; Triton is not installed") from None
+    import vllm
+
+    if not vllm.__version__.startswith(VLLM_SERIES):
+        raise InvalidRequest("zorro.inference", f"the forest cascade backend is built on vLLM {VLLM_SERIES}'s attention "
+                             f"backend interface; this is vLLM {vllm.__version__}")
     if cuda:
         return
     if not triton.knobs.runtime.interpret:
