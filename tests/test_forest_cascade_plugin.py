@@ -12,7 +12,8 @@ from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 
 
 def test_a_cpu_without_the_interpreter_is_refused_before_anything_starts(tiny_model, monkeypatch):
-    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.delenv("TRITON_INTERPRET")  # Triton's knob reads it at each use
+    assert not triton.knobs.runtime.interpret
     with pytest.raises(InvalidRequest, match="zorro.inference: forest cascade attention runs Triton kernels on CUDA"):
         InProcessBackend({"model_path": tiny_model, "zorro": {"inference": True}})
 
