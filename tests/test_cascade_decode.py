@@ -236,6 +236,16 @@ def test_bench_interpret_smoke(capsys):
         assert r["cascade"]["bound_tokens_per_s"] is None  # no bandwidth given: no read bound
 
 
+def test_bench_host_plan_times_what_the_vllm_backend_plans_per_step(capsys):
+    """`--host-plan`: the per-step host work of zorro.inference's vLLM backend, on the CPU, for the given shape."""
+    cascade, args = bench_args("--host-plan", "3", "--prompt-len", "100", "--group", "2", "4", "--suffix-len", "7",
+                               "--repeats", "1", "--json")
+    assert cascade.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["group"], r["sequences"]) for r in result["results"]] == [(2, 6), (4, 12)]
+    assert all(r["host_ms"] > 0 for r in result["results"])
+
+
 def paged_case(rng: random.Random, block_size: int):
     """GRPO groups in a paged cache as a prefix cache lays them out: a group's full prompt blocks are shared
     (one physical block each), the prompt's partial last block and each sample's own tokens are the sample's."""
@@ -300,3 +310,14 @@ def test_block_tables_share_only_what_is_shared():
         DecodeForest.from_block_tables([[7], [7]], [4, 3], block_size=4)
     with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9"):
         DecodeForest.from_block_tables([[7, 1]], [9], block_size=4)
+
+
+def test_block_tables_of_a_32k_prompt_are_one_shared_segment():
+    """2,048 shared 16-token blocks (a 32K prompt) and each sample's own: one segment read by all, one each
+    (a run of blocks once made one recursive call per block, past Python's recursion limit)."""
+    prompt = list(range(2048))
+    tables = [prompt + [2048 + i] for i in range(4)]
+    forest = DecodeForest.from_block_tables(tables, [2048 * 16 + 5] * 4, 16)
+    assert forest.segments == ((0, 32768),) + tuple((32768 + 5 * i, 32768 + 5 * (i + 1)) for i in range(4))
+    assert forest.chains == tuple((0, i + 1) for i in range(4))
+    assert forest.key_rows[:32768] == tuple(range(32768)) and forest.key_rows[32768:32773] == tuple(range(32768, 32773))

@@ -39,11 +39,15 @@ def decode_forest(block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: i
         return None
     lens = seq_lens[:num_reqs].tolist()
     first = block_table[:num_reqs, 0].tolist()
-    if len(set(first)) == num_reqs:  # no two sequences start in the same block: nothing is shared
+    # No two sequences start in the same block: nothing is shared. A row without keys (a dummy run's): vLLM's own.
+    if len(set(first)) == num_reqs or min(lens) < 1:
         return None
     blocks = [-(-n // block_size) for n in lens]
     tables = block_table[:num_reqs, : max(blocks)].tolist()
-    forest = DecodeForest.from_block_tables(tables, lens, block_size)
+    try:
+        forest = DecodeForest.from_block_tables(tables, lens, block_size)
+    except ValueError:  # a shared block filled to different lengths: never expected, and never fatal to the engine
+        return None
     return forest if len(forest.segments) > num_reqs else None
 
 
@@ -65,7 +69,7 @@ class ForestCascadeMetadataBuilder(TritonAttentionMetadataBuilder):
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
         cm = common_attn_metadata
         forest = None
-        if cm.max_query_len == 1 and cm.causal:
+        if cm.max_query_len == 1 and cm.causal is True:  # a tensor there is per-request masking (speculative)
             forest = decode_forest(cm.block_table_tensor, cm.seq_lens, cm.num_reqs, self.block_size)
             SERVED["cascade" if forest is not None else "plain"] += 1
         out = ForestCascadeMetadata.__new__(ForestCascadeMetadata)
@@ -82,7 +86,8 @@ class ForestCascadeImpl(TritonAttentionImpl):
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         forest = getattr(attn_metadata, "forest", None)
-        if forest is None or output_scale is not None or output_block_scale is not None or not self._cascade_serves():
+        if (forest is None or output_scale is not None or output_block_scale is not None or not self._cascade_serves()
+                or attn_metadata.rswa_window is not None):  # a window on generated tokens (R-SWA)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         # Logical [blocks, kv heads, block size, 2 * head size]; in the pinned LBNHC layout blocks and their

@@ -54,6 +54,41 @@ def measure(spec: dict, group: int, bandwidth_gbs: float | None, device: str) ->
     return result
 
 
+def host_plan(spec: dict, groups: int, block_size: int, repeats: int) -> dict:
+    """What zorro.inference's vLLM backend does on the host each decoding step (vllm_forest_attention): the forest
+    of `groups` prompts x G samples found from their block tables, and the kernel's work plan. No GPU needed."""
+    import torch
+
+    from arctic_rl_bench.measure import median_seconds
+    from arctic_rl_kernels.cascade_decode import CHUNK, DecodeForest, default_block_r
+
+    P, S = spec["prompt_len"], spec["suffix_len"] + 1  # the token being decoded is in the cache
+    results = []
+    for G in spec["group"]:
+        tables, lens, next_block = [], [], 0
+        for _ in range(groups):
+            prompt_blocks = list(range(next_block, next_block + P // block_size))  # full blocks are shared
+            next_block += len(prompt_blocks)
+            for _ in range(G):
+                own = -(-(P + S) // block_size) - len(prompt_blocks)
+                tables.append(prompt_blocks + list(range(next_block, next_block + own)))
+                next_block += own
+                lens.append(P + S)
+        width = max(map(len, tables))
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        seq_lens = torch.tensor(lens)
+        block_r = spec["block_r"] or default_block_r(spec["heads"], spec["kv_heads"])
+
+        def step():
+            forest = DecodeForest.from_block_tables(block_table.tolist(), seq_lens.tolist(), block_size)
+            return forest.plan(spec["chunk"] or CHUNK, block_r)
+
+        seconds, _ = median_seconds(step, repeats)
+        results.append({"group": G, "sequences": len(tables), "host_ms": seconds * 1e3})
+    return {"benchmark": "cascade host plan", "groups": groups, "block_size": block_size, "shape": spec,
+            "results": results}
+
+
 def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=int, default=32768)
     p.add_argument("--group", type=int, nargs="+", default=[8, 16], help="samples per prompt (G); several to compare")
@@ -69,6 +104,10 @@ def add_arguments(p) -> None:
                    help=f"device memory bandwidth in GB/s for the read bound (known: {BANDWIDTH_GBS})")
     p.add_argument("--interpret-smoke", action="store_true",
                    help="a tiny shape under the Triton interpreter on CPU, to check the code path (timings mean nothing)")
+    p.add_argument("--host-plan", type=int, default=None, metavar="GROUPS",
+                   help="time instead what zorro.inference's vLLM backend computes on the host per decoding step for "
+                        "GROUPS prompts x G samples (block tables to forest and work plan); no GPU needed")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size for --host-plan")
     p.add_argument("--json", action="store_true")
 
 
@@ -77,6 +116,18 @@ def main(args) -> int:
 
     spec = {k: getattr(args, k) for k in ("prompt_len", "group", "suffix_len", "heads", "kv_heads", "head_dim", "dtype",
                                            "repeats", "chunk", "block_r")}
+    if args.host_plan is not None:
+        if args.host_plan < 1 or args.block_size < 1:
+            raise SystemExit("--host-plan and --block-size must be >= 1")
+        result = host_plan(spec, args.host_plan, args.block_size, min(spec["repeats"], 5))
+        if args.json:
+            print(json.dumps(result))
+        else:
+            for r in result["results"]:
+                print(f"{args.host_plan} prompts x G={r['group']} ({r['sequences']} sequences), prompt {spec['prompt_len']}, "
+                      f"suffix {spec['suffix_len']}, block size {args.block_size}: {r['host_ms']:.1f} ms per decoding step "
+                      f"on the host (median)")
+        return 0
     if args.interpret_smoke:
         from arctic_rl_core.patches import environment_default
 

@@ -86,7 +86,7 @@ class DecodeForest:
             if any(prev[1] > nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
                 raise ValueError(f"chains[{b}] = {chain}: its segments' ranges overlap, so it would read a key twice")
         if self.key_rows is not None:
-            object.__setattr__(self, "key_rows", tuple(int(r) for r in self.key_rows))
+            object.__setattr__(self, "key_rows", tuple(map(int, self.key_rows)))
             if len(self.key_rows) < self.num_tokens or min(self.key_rows) < 0:
                 raise ValueError(f"key_rows must hold a cache row >= 0 for each of the {self.num_tokens} keys the "
                                  f"segments name; got {len(self.key_rows)}")
@@ -135,31 +135,36 @@ class DecodeForest:
                                  f"(block_tables[{b}] holds {len(table)} blocks)")
             node = root
             for j, block in enumerate(table[:blocks]):
-                tokens = min(block_size, length - j * block_size)
-                node = node["children"].setdefault(int(block), {"block": int(block), "tokens": tokens, "readers": [],
-                                                                "children": {}})
-                if node["tokens"] != tokens:
+                # Every vLLM decoding step runs this: one dict lookup per block, a node made only when new.
+                tokens = block_size if j < blocks - 1 else length - j * block_size
+                child = node["children"].get(block)
+                if child is None:
+                    child = node["children"][block] = {"block": int(block), "tokens": tokens, "readers": [], "children": {}}
+                elif child["tokens"] != tokens:
                     raise ValueError(f"block_tables[{b}][{j}] = {block} is shared but filled to {tokens} tokens "
-                                     f"here and {node['tokens']} elsewhere: only full blocks are shared")
-                node["readers"].append(b)
+                                     f"here and {child['tokens']} elsewhere: only full blocks are shared")
+                child["readers"].append(b)
+                node = child
         segments, chains, rows = [], [[] for _ in seq_lens], []
 
-        def emit(node, run):
+        # Depth first, without recursion: a 32K prompt in 16-token blocks is a run of 2,048 blocks.
+        stack = [(child, [child]) for child in reversed(root["children"].values())]
+        while stack:
+            node, run = stack.pop()
             # A run of blocks read by one set of sequences is one segment.
-            only = next(iter(node["children"].values())) if len(node["children"]) == 1 else None
-            if only is not None and only["readers"] == node["readers"]:
-                return emit(only, run + [only])
+            while len(node["children"]) == 1:
+                only = next(iter(node["children"].values()))
+                if only["readers"] != node["readers"]:
+                    break
+                node = only
+                run.append(only)
             start = len(rows)
             for block in run:
                 rows.extend(range(block["block"] * block_size, block["block"] * block_size + block["tokens"]))
             for b in node["readers"]:
                 chains[b].append(len(segments))
             segments.append((start, len(rows)))
-            for child in node["children"].values():
-                emit(child, [child])
-
-        for child in root["children"].values():
-            emit(child, [child])
+            stack.extend((child, [child]) for child in reversed(node["children"].values()))
         return cls(tuple(segments), tuple(map(tuple, chains)), tuple(rows))
 
     @property
