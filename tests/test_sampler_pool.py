@@ -105,13 +105,15 @@ def test_a_replica_killed_mid_generate_loses_no_request_and_is_replaced_at_the_c
         victim = pool._slots[0]
         first_pid = victim.facts["pid"]
         prompts = [[3 + i, 40 + i, 7, 9 + i] for i in range(24)]
-        sampling = {"n": 2, "max_tokens": 48, "temperature": 1.0, "seed": 3}
+        # Long enough (every sample runs its 160 tokens) that the kill lands inside the victim's generate on an
+        # idle machine too: 48 tokens once finished within the second waited below.
+        sampling = {"n": 2, "max_tokens": 160, "min_tokens": 160, "temperature": 1.0, "seed": 3}
         calls = ThreadPoolExecutor(1)
         answer = calls.submit(api.generate, prompts, sampling)
         deadline = time.monotonic() + 60
         while victim.queued_tokens == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(1.0)  # inside the replica's generate
+        time.sleep(0.5)  # inside the replica's generate
         ray.kill(victim.actor, no_restart=True)
         out = answer.result(timeout=300)
         calls.shutdown()
