@@ -21,7 +21,6 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionBackend,
     TritonAttentionImpl,
-    TritonAttentionMetadata,
     TritonAttentionMetadataBuilder,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
@@ -30,7 +29,7 @@ from arctic_rl_kernels.cascade_decode import DecodeForest, cascade_decode
 
 SERVED = Counter()
 """This process's decoding steps: `cascade` (a forest found), `plain` (nothing shared), and layer calls
-`cascade_layers`. Read by tests and the sampler's status."""
+`cascade_layers`. Read through the worker extension (`VLLMSampler.forest_cascade_served`)."""
 
 
 def decode_forest(block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, block_size: int) -> DecodeForest | None:
@@ -51,11 +50,6 @@ def decode_forest(block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: i
     return forest if len(forest.segments) > num_reqs else None
 
 
-class ForestCascadeMetadata(TritonAttentionMetadata):
-    forest: DecodeForest | None = None
-    """Set on a pure decoding step whose sequences share cache blocks."""
-
-
 class ForestCascadeMetadataBuilder(TritonAttentionMetadataBuilder):
     # The cascade's work items depend on the step's forest: decided in Python, so never inside a CUDA graph
     # (vLLM then captures the rest of the model piecewise and runs attention eagerly).
@@ -72,10 +66,8 @@ class ForestCascadeMetadataBuilder(TritonAttentionMetadataBuilder):
         if cm.max_query_len == 1 and cm.causal is True:  # a tensor there is per-request masking (speculative)
             forest = decode_forest(cm.block_table_tensor, cm.seq_lens, cm.num_reqs, self.block_size)
             SERVED["cascade" if forest is not None else "plain"] += 1
-        out = ForestCascadeMetadata.__new__(ForestCascadeMetadata)
-        out.__dict__.update(meta.__dict__)
-        out.forest = forest
-        return out
+        meta.forest = forest  # set on a pure decoding step whose sequences share cache blocks, else None
+        return meta
 
 
 class ForestCascadeImpl(TritonAttentionImpl):

@@ -8,7 +8,8 @@ real Triton (run by its interpreter: a correctness path, never a fast one). Ever
 
 The sampler enables it around building an engine in its own process (the registry changes are undone once the
 engine's layers hold their backend); a vLLM process of its own (sampler.placement=subprocess, replicas)
-enables it when it imports the worker extension, which the sampler asks for by the environment variable.
+enables it through our `vllm.general_plugins` entry point (`enable_in_worker`), asked for by the environment
+variable the sampler sets.
 """
 
 from __future__ import annotations

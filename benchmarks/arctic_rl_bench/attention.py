@@ -24,7 +24,7 @@ be recorded: fp32 kernels summing in another order, 16-bit ones rounding P befor
 def backends_here(device) -> list[str]:
     from arctic_rl_kernels.split_attention import BACKENDS, unusable
 
-    return [name for name in BACKENDS if unusable(name, device) is None and not (name == "triton" and device.type != "cuda")]
+    return [name for name in BACKENDS if unusable(name, device, compiled=True) is None]
 
 
 def measure(spec: dict, dtype_name: str, backends: list[str], device) -> dict:
@@ -89,7 +89,7 @@ def main(args) -> int:
         raise SystemExit("every size must be >= 1 and --heads a multiple of --kv-heads")
     backends = args.backends or backends_here(device)
     for name in backends:
-        reason = unusable(name, device) if name != "triton" or device.type == "cuda" else "runs interpreted here"
+        reason = unusable(name, device, compiled=True)
         if reason is not None:
             raise SystemExit(f"--backends {name}: {reason}")
     dtypes = args.dtype or (["bfloat16", "float16", "float32"] if device.type == "cuda" else ["float32"])

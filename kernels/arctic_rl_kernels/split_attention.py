@@ -196,14 +196,17 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
 
 
-def unusable(name: str, device: torch.device) -> str | None:
-    """Why backend `name` cannot run on `device`, or None."""
+def unusable(name: str, device: torch.device, compiled: bool = False) -> str | None:
+    """Why backend `name` cannot run on `device`, or None. With `compiled`, Triton's interpreter does not count
+    (it is for tests: what `auto` and the bench consider)."""
     if name == "cpu_flash" and device.type != "cpu":
         return f"runs ATen's CPU kernels; this is {device.type}"
     if name == "cuda_flash" and device.type != "cuda":
         return f"runs ATen's CUDA kernels; this is {device.type}"
     if name == "triton" and not triton_usable(device):
         return f"needs Triton and a CUDA device (or TRITON_INTERPRET=1); this is {device.type}"
+    if name == "triton" and compiled and device.type != "cuda":
+        return f"runs only interpreted on {device.type}"
     return None
 
 
@@ -217,8 +220,7 @@ def auto_backend(device: torch.device, dtype: torch.dtype, mods: ScoreMods = NO_
     here and serve these score rules; without timings, the first of `_UNMEASURED_ORDER` that does. Triton
     counts only compiled: the interpreter is for tests."""
     candidates = [name for name in _UNMEASURED_ORDER
-                  if unusable(name, device) is None and _serves(BACKENDS[name], mods, equal_head_dims)
-                  and not (name == "triton" and device.type != "cuda")]
+                  if unusable(name, device, compiled=True) is None and _serves(BACKENDS[name], mods, equal_head_dims)]
     return backend_timings.fastest(device, dtype, candidates) or candidates[0]
 
 
