@@ -32,6 +32,8 @@ VOCAB = 96
 _MAX_PARAMETERS = 5_000_000
 LOGPROB_TOLERANCE = 2e-6
 GRAD_TOLERANCE = 1e-5
+_SURE = 0.5
+"""An exact row whose errors use more of the direct bound than this is also measured against fp64."""
 
 # Small sizes for whatever of these a family's config has; the rest keep their defaults.
 _SIZES = dict(
@@ -64,6 +66,10 @@ class Row:
     """Worst parameter's relative gradient error (errors under 1e-6 of the whole gradient's norm not counted)."""
     whole_grad_error: float | None = None
     """The whole gradient's relative error."""
+    bound_used: float | None = None
+    """Of an exact row, the largest fraction of its bound its errors used (1 would be the edge of `wrong`)."""
+    judged_by_fp64: bool = False
+    """An exact row past the direct tolerance, held to the model's own fp32 error against fp64."""
 
 
 def decoder_families() -> list[str]:
@@ -213,22 +219,24 @@ def check_family(model_type: str, variant: str) -> Row:
     except Exception as err:  # noqa: BLE001 -- accepted at load but failing at the first call: a finding
         return Row(model_type, variant, "error", f"{type(err).__name__}: {str(err).splitlines()[0][:90]}")
     lp_error, grad_error = float((lp - lp_ref).abs().max()), _grad_error(grads, grads_ref)
-    if lp_error <= LOGPROB_TOLERANCE and grad_error <= GRAD_TOLERANCE:
-        return Row(model_type, variant, "exact", "", lp_error, grad_error, _whole(grads, grads_ref))
-    # Some families are noisy in fp32 themselves (a gradient through a near-zero norm, a router's
-    # near-tie): measure both against the model in fp64 and hold ours to twice the model's own fp32 error.
+    direct = max(lp_error / LOGPROB_TOLERANCE, grad_error / GRAD_TOLERANCE)
+    if direct <= _SURE:
+        return Row(model_type, variant, "exact", "", lp_error, grad_error, _whole(grads, grads_ref), direct)
+    # Some families are noisy in fp32 themselves (a gradient through a near-zero norm, a router's near-tie):
+    # measure both against the model in fp64 and hold ours to twice the model's own fp32 error. Exact is
+    # either bound met; near the direct one, both are measured, so the row's margin is the better of the two.
     reference.double()
     if hasattr(reference, "set_experts_implementation"):
         reference.set_experts_implementation("eager")  # grouped matmuls take no fp64
     lp64, grads64 = _own(reference, seqs)
     own = float((lp_ref - lp64).abs().max()), _grad_error(grads_ref, grads64)
     ours = float((lp - lp64).abs().max()), _grad_error(grads, grads64)
-    if ours[0] <= 2 * own[0] + LOGPROB_TOLERANCE and ours[1] <= 2 * own[1] + GRAD_TOLERANCE:
-        return Row(model_type, variant, "exact", f"as exact as the model's own fp32 (vs fp64: ours {ours[0]:.1e} / "
-                                                 f"{ours[1]:.1e}, its own {own[0]:.1e} / {own[1]:.1e})", lp_error, grad_error,
-                   _whole(grads, grads_ref))
-    return Row(model_type, variant, "wrong", f"vs fp64: ours {ours[0]:.1e} / {ours[1]:.1e}, its own fp32 {own[0]:.1e} / "
-                                             f"{own[1]:.1e}", lp_error, grad_error)
+    versus_fp64 = max(ours[0] / (2 * own[0] + LOGPROB_TOLERANCE), ours[1] / (2 * own[1] + GRAD_TOLERANCE))
+    detail = f"vs fp64: ours {ours[0]:.1e} / {ours[1]:.1e}, its own fp32 {own[0]:.1e} / {own[1]:.1e}"
+    if min(direct, versus_fp64) <= 1:
+        return Row(model_type, variant, "exact", detail, lp_error, grad_error, _whole(grads, grads_ref),
+                   min(direct, versus_fp64), judged_by_fp64=direct > 1)
+    return Row(model_type, variant, "wrong", detail, lp_error, grad_error)
 
 
 def sweep() -> list[Row]:
@@ -247,7 +255,8 @@ _NUMBER = re.compile(r"\d+\.\d+(?:e[-+]?\d+)?")
 
 
 def render(rows: list[Row]) -> str:
-    """docs/models.md: the table (outcomes and reasons, which do not vary by machine) and the measured errors."""
+    """docs/models.md: the table, which holds only what does not vary by machine (outcomes and reasons: an exact
+    row is exact whichever of its two bounds held), then the errors measured on the machine that wrote it."""
     count = {o: sum(r.outcome == o for r in rows) for o in ("exact", "refused", "not built", "wrong", "error")}
     exact = [r for r in rows if r.outcome == "exact"]
     lines = [
@@ -258,19 +267,14 @@ def render(rows: list[Row]) -> str:
         "tokens on the layers that slide; `attention softcap`, `final softcap`, `logit scale`). Each is",
         "either **exact** — ZoRRo's packed forest through the engine's path against the model's own eager",
         "forward of each sequence alone, log-probs within 2e-6 and every parameter's gradient within 1e-5",
-        "relative in fp32 (or, for families noisy in fp32 themselves, within twice the model's own fp32",
-        "error against fp64) — or **refused** at load by the engine's checks",
+        "relative in fp32, or, where that is not met, within twice the model's own fp32 error against fp64",
+        "(families noisy in fp32 themselves) — or **refused** at load by the engine's checks",
         "(`arctic_rl_core/models/exactness.py`), with the reason below; the model then trains with",
         "`zorro.enable=false` and its own attention. **Not built**: the family cannot be built this small",
         "(or needs inputs other than text); it is not claimed either way.",
         "",
         f"transformers {_transformers_version()}: {count['exact']} exact, {count['refused']} refused, "
         f"{count['not built']} not built, {count['wrong'] + count['error']} wrong.",
-        "Largest errors of the exact rows on the machine that wrote this file: log-prob "
-        f"{max((r.logprob_error for r in exact), default=0):.1e}; whole gradient "
-        f"{max((r.whole_grad_error for r in exact), default=0):.1e} relative; worst single parameter "
-        f"{max((r.grad_error for r in exact), default=0):.1e} relative (errors under 1e-6 of the whole",
-        "gradient's norm, fp32 rounding at its scale, not counted).",
         "",
         "Regenerate with `python -m tests.model_sweep > docs/models.md`; `make test` checks the table is current.",
         "",
@@ -278,8 +282,20 @@ def render(rows: list[Row]) -> str:
         "|---|---|---|---|",
     ]
     for r in rows:
-        reason = _NUMBER.sub("…", r.detail.split(" (vs fp64")[0]).replace("|", "\\|")
+        reason = "" if r.outcome == "exact" else _NUMBER.sub("…", r.detail).replace("|", "\\|")
         lines.append(f"| {r.model_type} | {r.variant} | {r.outcome} | {reason} |")
+    closest = max(exact, key=lambda r: r.bound_used, default=None)
+    lines += [
+        "",
+        "Measured on the machine that wrote this file (not compared: the last bits differ between CPUs). Largest",
+        f"errors of the exact rows: log-prob {max((r.logprob_error for r in exact), default=0):.1e}; whole gradient "
+        f"{max((r.whole_grad_error for r in exact), default=0):.1e} relative; worst single parameter "
+        f"{max((r.grad_error for r in exact), default=0):.1e} relative (errors under 1e-6 of the whole",
+        "gradient's norm, fp32 rounding at its scale, not counted)."
+        + (f" The closest to its bound: {closest.model_type} {closest.variant}, {closest.bound_used:.0%} of it." if closest else ""),
+        "Past the direct tolerance, within the model's own fp32 error against fp64: "
+        + (", ".join(f"{r.model_type} {r.variant} ({r.detail})" for r in exact if r.judged_by_fp64) or "none") + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 
