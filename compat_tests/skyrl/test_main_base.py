@@ -27,10 +27,11 @@ def documented_command(marker: str) -> str:
     return re.search(r"```bash\n(.*?)```", block, re.DOTALL).group(1)
 
 
-def write_data(folder, env_class: str = "gsm8k", max_turns: int = 1) -> None:
-    """GSM8K's layout, as SkyRL's gsm8k example writes it: chat messages, env class, the answer to check."""
+def write_data(folder, env_class: str = "gsm8k", max_turns: int = 1, ground_truth: str | None = None) -> None:
+    """GSM8K's layout, as SkyRL's gsm8k example writes it: chat messages, env class, the answer to check (each
+    question's right one, or `ground_truth` for all)."""
     pd.DataFrame([{"data_source": "arctic_toy", "prompt": [{"role": "user", "content": question}], "env_class": env_class,
-                   "reward_spec": {"method": "rule", "ground_truth": right},
+                   "reward_spec": {"method": "rule", "ground_truth": ground_truth or right},
                    "extra_info": {"split": "train", "max_turns": max_turns}}
                   for question, (right, _) in QUESTIONS.items()]).to_parquet(folder / "train.parquet")
 
@@ -99,16 +100,19 @@ def test_main_base_grpo_steps_run_on_arctic_rl(tiny_model, server, client, gsm8k
 
 def test_multi_turn_episodes_of_skyrl_gym_train_on_arctic_rl(tiny_model, server, client, gsm8k_model, tmp_path):
     """SkyRL-Gym's gsm8k_multi_turn: a wrong answer gets a user turn asking again, up to 3 turns. Each turn is one
-    request to the server; the episode trains as one row, its environment turns masked out of the loss."""
-    write_data(tmp_path, "gsm8k_multi_turn", max_turns=3)
+    request to the server; the episode trains as one row, its environment turns masked out of the loss.
+
+    Every episode takes all 3 turns, whatever is sampled: the ground truth is no number (the environment's strict
+    parser extracts digits only, so no reply can match it), and the context limit holds 3 turns of the longest
+    replies (a 22-token prompt, 48-token replies, SkyRL-Gym's two follow-up messages of about 100 and 70 tokens)."""
+    write_data(tmp_path, "gsm8k_multi_turn", max_turns=3, ground_truth="no number")
     before = client.status()["serving"]["requests"]["generate"]
     metrics = run_documented(server, tiny_model, tmp_path, 1, "environment.env_class=gsm8k_multi_turn",
                              "generator.max_turns=3", "generator.sampling_params.max_generate_length=48",
-                             "trainer.max_prompt_length=160")
-    turns = metrics["environment/avg_steps"]
-    assert turns[0] > 1, turns  # some episodes went on after a wrong answer
+                             "trainer.max_prompt_length=320")
+    assert metrics["environment/avg_steps"] == [3.0]
     generated = client.status()["serving"]["requests"]["generate"] - before
-    assert generated == round(turns[0] * BATCH * N)  # every turn sampled by the server
+    assert generated == 3 * BATCH * N  # every turn sampled by the server
     assert_the_backend_trained_skyrls_loss(metrics)
 
 
