@@ -70,6 +70,12 @@ class RolloutPipeline:
         staleness = max((current - c.weight_version for c in kept), default=0)
         return RolloutBatch(step=step, prompts=prompts, completions=kept, staleness=staleness, dropped=dropped)
 
+    def wait_for_oldest(self) -> None:
+        """Block until the oldest generation in flight has finished: the one holding the sampler, which a weight
+        sync must wait for (a sampler that runs one call at a time takes the others after the sync)."""
+        if self._pending:
+            self._pending[0][2].exception()
+
     def wait_for_pending(self) -> None:
         """Block until generation already started has finished (before a checkpoint, say)."""
         for _, _, future in self._pending:

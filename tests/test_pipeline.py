@@ -2,6 +2,7 @@
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -96,3 +97,36 @@ def test_samples_beyond_the_staleness_bound_are_dropped_and_counted(make_backend
 def test_bad_staleness_is_refused(make_backend):
     with pytest.raises(InvalidRequest, match="pipeline.max_staleness"):
         RolloutPipeline(make_backend(), lambda step: PROMPTS, SamplingParams(), max_staleness=-1)
+
+
+class HeldGenerations:
+    """`futures.generate` of a TrainingAPI whose generations finish when the test says: the first at once."""
+
+    weight_version = 0
+
+    def __init__(self):
+        self.futures = self
+        self.started: list[Future] = []
+
+    def generate(self, prompts, sampling):
+        future = Future()
+        if not self.started:
+            future.set_result([])
+        self.started.append(future)
+        return future
+
+
+def test_the_rollout_wait_before_a_sync_is_for_the_oldest_generation_in_flight():
+    """What a weight sync waits for in a pipeline two steps ahead: the oldest rollout, which holds the sampler."""
+    api = HeldGenerations()
+    pipe = RolloutPipeline(api, lambda step: PROMPTS, SamplingParams(n=1), max_staleness=2)
+    pipe.next_batch()
+    oldest, newest = api.started[1:]
+    waiter = threading.Thread(target=pipe.wait_for_oldest)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # the next step's rollout is still generating
+    oldest.set_result([])
+    waiter.join(10)
+    assert not waiter.is_alive() and not newest.done()  # the one after it is not waited for
+    newest.set_result([])

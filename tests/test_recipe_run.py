@@ -51,7 +51,8 @@ def test_metrics_tensorboard_plot_and_phases(trained):
     train_rows = [r for r in rows(tmp_path) if r["kind"] == "train"]
     assert [r["step"] for r in train_rows] == list(range(1, GRPO_STEPS + 1))
     for key in ("reward", "accuracy", "response_length", "entropy", "kl", "clip_frac", "grad_norm", "tokens_per_s",
-                "time/generate", "time/reward", "time/log_probs", "time/fwd_bwd", "time/step", "time/sync"):
+                "time/generate", "time/reward", "time/log_probs", "time/fwd_bwd", "time/step", "time/rollout_wait",
+                "time/sync"):
         assert all(key in r for r in train_rows if r["groups_trained"]), key
     # Pipelined with max_staleness 1: after the first step, batches were sampled one version behind.
     assert max(r["staleness"] for r in train_rows) == 1

@@ -39,7 +39,7 @@ def measure_variants(run: RecipeRun, variants=VARIANTS, *, rounds: int, steps: i
                     timer = PhaseTimer()
                     with timer("generate"):
                         batch = pipe.next_batch()
-                    run.grpo_step(step + i, batch, timer, train_all=True)
+                    run.grpo_step(step + i, batch, timer, pipe, train_all=True)
                     if i:  # step 0 fills the pipeline
                         times[variant.label].append(time.perf_counter() - t0)
                         phases[variant.label].append(timer.seconds)

@@ -229,9 +229,11 @@ class RecipeRun:
         return RolloutPipeline(self.api, lambda s: [self.train_prompts[i] for i in self.prompt_indices(first_step + s)],
                                sampling, max_staleness=max_staleness)
 
-    def grpo_step(self, step: int, batch: RolloutBatch, timer: PhaseTimer, *, train_all: bool = False) -> dict:
-        """Score one step's rollouts, compute group advantages and train on them
-        (`train_all`: every sample, even of groups with one reward, so timed steps do equal work)."""
+    def grpo_step(self, step: int, batch: RolloutBatch, timer: PhaseTimer, rollouts: RolloutPipeline, *,
+                  train_all: bool = False) -> dict:
+        """Score one step's rollouts, compute group advantages and train on them, then sync the weights
+        (`train_all`: every sample, even of groups with one reward, so timed steps do equal work). The sync waits
+        for the rollout `rollouts` has in flight (pipelined): timed as its own phase, `rollout_wait`."""
         g = self.config.grpo
         indices = self.prompt_indices(step)
         completions = batch.completions
@@ -263,6 +265,8 @@ class RecipeRun:
                 result = self.api.fwd_bwd(sequences, g.loss)
             with timer("step"):
                 stepped = self.api.step(g.learning_rate)
+            with timer("rollout_wait"):
+                rollouts.wait_for_oldest()
             with timer("sync"):
                 self.api.sync_weights()
             metrics = {"loss": result.loss, "grad_norm": stepped.grad_norm,
@@ -358,7 +362,7 @@ class RecipeRun:
                 timer = PhaseTimer()
                 with timer("generate"):
                     batch = pipe.next_batch()
-                row = self.grpo_step(step, batch, timer)
+                row = self.grpo_step(step, batch, timer, pipe)
                 seconds = time.perf_counter() - t0
                 dropped += batch.dropped
                 row.update({"kind": "train", "step": step, "seconds": seconds, "tokens_per_s": row["tokens"] / seconds,

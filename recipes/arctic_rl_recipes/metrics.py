@@ -6,7 +6,9 @@ import json
 import os
 from typing import Any
 
-PHASES = ("generate", "reward", "log_probs", "fwd_bwd", "step", "sync")
+PHASES = ("generate", "reward", "log_probs", "fwd_bwd", "step", "rollout_wait", "sync")
+"""Seconds of a GRPO step, in the order they run. `generate`: waiting for this step's rollouts; `rollout_wait`
+(pipelined): waiting, before the weight sync, for the next step's rollout in flight to release the sampler."""
 
 
 class MetricsLog:
@@ -69,7 +71,7 @@ def plot_run(rows: list[dict[str, Any]], path: str) -> str:
         bottom_acc = [0.0] * len(train)
         for phase in PHASES:
             values = [r.get(f"time/{phase}", 0.0) for r in train]
-            bottom.bar(steps, values, bottom=bottom_acc, label=phase, width=0.9)
+            bottom.bar(steps, values, bottom=bottom_acc, label=phase.replace("_", " "), width=0.9)
             bottom_acc = [a + v for a, v in zip(bottom_acc, values)]
     bottom.set_xlabel("GRPO step")
     bottom.set_ylabel("seconds")

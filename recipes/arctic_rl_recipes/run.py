@@ -20,7 +20,7 @@ def quiet_libraries() -> None:
 
 
 def print_summary(summary: dict) -> None:
-    phases = ", ".join(f"{p} {s:.2f}s" for p, s in summary["median_seconds_per_phase"].items())
+    phases = ", ".join(f"{p.replace('_', ' ')} {s:.2f}s" for p, s in summary["median_seconds_per_phase"].items())
     acc = {k: summary[k] for k in ("accuracy_start", "accuracy_after_sft", "accuracy_final")}
     print("held-out accuracy: " + ", ".join(f"{k.removeprefix('accuracy_')} {v:.3f}" for k, v in acc.items() if v is not None))
     if summary["median_seconds_per_step"] is not None:
