@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test scenarios compat bench-verl clean
+.PHONY: install demo test scenarios test-portable compat bench-verl clean
 
 install: $(STAMP)
 
@@ -27,6 +27,17 @@ test: install
 # Multi-process, Ray and framework scenarios: slower, kept out of `make test`; CI runs them too.
 scenarios: install
 	$(VENV)/bin/python -m pytest -q -m scenario
+
+# `make test` and `make scenarios` where the arithmetic differs, as on other CPUs: PyTorch's AVX2 kernels, its
+# kernels without vector extensions, and one thread. Not part of CI (it would triple its time): run before landing
+# a numerics change. Each setting runs to its end; the target fails if any did.
+PORTABLE_SETTINGS := ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1
+test-portable: install
+	@failed=""; for setting in $(PORTABLE_SETTINGS); do \
+	  echo "== $$setting make test scenarios"; \
+	  env $$setting $(MAKE) --no-print-directory --keep-going test scenarios || failed="$$failed $$setting"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "test-portable failed under:$$failed" >&2; exit 1; fi
 
 # Compatibility tests against the real frameworks, each in its own environment (compat_tests/).
 compat: install
