@@ -218,6 +218,9 @@ class SamplingParams(_Strict):
     max_tokens: int = Field(default=64, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     """Stop tokens (EOS, `stop_token_ids`) are not sampled before this many tokens (vLLM's `min_tokens`)."""
+    ignore_eos: bool = False
+    """Sampling goes on past the model's end-of-sequence token (vLLM's `ignore_eos`); `stop_token_ids` still stop
+    it. The log-probs are unchanged: the token is sampled as the model weighs it, only not taken as the end."""
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)

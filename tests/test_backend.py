@@ -154,3 +154,17 @@ def test_zorro_on_and_off_give_the_same_training_step(make_backend):
     assert on.step().grad_norm == pytest.approx(off.step().grad_norm, rel=1e-5)
     u_on, u_off = update(on, start), update(off, start)
     assert (u_on - u_off).norm() <= 1e-5 * u_off.norm()
+
+
+def test_ignore_eos_samples_on_past_the_end_of_sequence_token(make_backend):
+    """Seeded alike, a sample that stopped at the end-of-sequence token goes on past it with `ignore_eos`, its
+    log-probs still the model's."""
+    api = make_backend()
+    prompt, eos = [5, 6, 7], api.sampler.eos_ids[0]
+    seed = next(s for s in range(100) if any(c.finish_reason == "stop" for c in api.generate(
+        [prompt], SamplingParams(n=8, max_tokens=48, seed=s))))
+    went_on = api.generate([prompt], SamplingParams(n=8, max_tokens=48, seed=seed, ignore_eos=True))
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 48 for c in went_on)
+    assert any(eos in c.token_ids[:-1] for c in went_on)
+    scored = api.log_probs([Sequence(prompt_ids=prompt, response_ids=c.token_ids) for c in went_on]).logprobs
+    assert max(abs(a - b) for c, lp in zip(went_on, scored) for a, b in zip(c.logprobs, lp)) < 1e-4

@@ -102,11 +102,37 @@ def test_serving_routes_report_the_vllm_samplers_own_log_probs(tiny_model):
 
 
 @pytest.mark.scenario
-def test_abort_generation_ends_the_engine_loop_and_the_engine_serves_on(tiny_model):
+def test_served_requests_join_the_running_batch_and_an_abort_returns_their_partial_samples(tiny_model):
+    result = run_scenario("serving_batch", tiny_model)
+    assert result["running_after_shorts"] == 4 and result["short_tokens"] == [4] * 4, result
+    assert result["aborted_finish"] == ["abort"], result
+    assert all(0 < n < 300 for n in result["aborted_tokens"]), result
+    assert result["aborted_err"] <= 1e-3, result
+    assert result["after"] == "length"
+    assert result["generate_calls"] == result["requests"] == 10  # one call each: nothing gathered them
+
+
+@pytest.mark.scenario
+def test_abort_generation_returns_what_each_request_sampled_and_the_engine_serves_on(tiny_model):
     result = run_scenario("abort", tiny_model)
-    assert result["completions"] == 64 and "abort" in result["finish"] and result["aborted_empty"]
+    assert result["completions"] == 64 and result["finish"] == ["abort"], result  # 240 forced tokens: none ended
     assert result["returned_after_abort_s"] < result["small_s"], result  # an engine step, not the rest of the call
+    # Every sample was running: each returns its partial tokens, with the model's own log-probs.
+    assert result["aborted"] == result["partial"] == 64 and result["logprobs_per_token"], result
+    assert 0 < result["shortest_partial"] and result["longest_partial"] < 240, result
+    assert result["partial_err"] <= 1e-3, result
     assert result["after"][0] in ("stop", "length") and result["engine_idle"]
+
+
+def test_concurrent_calls_join_one_running_batch(tiny_model):
+    """vLLM's engine is driven by one loop for every caller: short calls sent while a long one decodes return while
+    it still runs, not after it."""
+    result = run_scenario("continuous", tiny_model)
+    assert result["long_running_after_shorts"], result
+    assert max(result["short_s"]) < result["long_s"] / 2, result
+    assert result["lengths"] == [8, 200] and result["completions"] == 20
+    assert result["sampled_err"] <= 1e-3, result
+    assert result["calls"] == 7  # each caller's own call: nothing gathered them
 
 
 @pytest.mark.scenario

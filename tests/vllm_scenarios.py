@@ -42,7 +42,7 @@ def sync(model_dir, sync_path, placement, layout):
     api = backend(model_dir, sync_path, placement, layout)
     in_process = placement == "in_process"
     if in_process:
-        [(storage_before, _)] = api.sampler.llm.collective_rpc(_sampler_weights)
+        [(storage_before, _)] = api.sampler.rpc(_sampler_weights)
     batch = grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6)
     fixed = [Sequence(prompt_ids=s.prompt_ids, response_ids=s.response_ids) for s in batch]
     result = {"initial_err": max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)}
@@ -59,7 +59,7 @@ def sync(model_dir, sync_path, placement, layout):
     result["version"] = api.sync_weights()
     result["second_synced_err"] = max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)
     if in_process:
-        [(storage_after, plain)] = api.sampler.llm.collective_rpc(_sampler_weights)
+        [(storage_after, plain)] = api.sampler.rpc(_sampler_weights)
         result["written_in_place"] = storage_after == storage_before
         result["plain_linear"] = plain
     result["sync_route"] = api.describe()["sync_route"]
@@ -175,6 +175,54 @@ def serving(model_dir):
     return result
 
 
+def serving_batch(model_dir):
+    """The routes on a vLLM sampler: each request joins the engine's running batch (short ones return while long ones
+    decode), and `/pause?mode=abort` answers requests in flight with what they sampled, tokens and log-probs."""
+    import httpx
+
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    api = backend(model_dir)
+    done_at, out = {}, {}
+    with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda config: api) as url:
+        def complete(name, prompt, tokens):
+            body = {"model": model_dir, "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "logprobs": 0,
+                    "return_token_ids": True}
+            out[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
+            done_at[name] = time.perf_counter()
+
+        complete("warm", [5, 6, 7], 2)
+        longs = [threading.Thread(target=complete, args=(f"long{i}", [5 + i, 6, 7, 8], 300)) for i in range(4)]
+        for t in longs:
+            t.start()
+        while api.sampler.requests_in_flight() < 4:
+            time.sleep(0.005)
+        shorts = [threading.Thread(target=complete, args=(f"short{i}", [50 + i, 6, 7], 4)) for i in range(4)]
+        for t in shorts:
+            t.start()
+        for t in shorts:
+            t.join(120)
+        running_after_shorts = sum(t.is_alive() for t in longs)
+        httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=60).raise_for_status()
+        for t in longs:
+            t.join(120)
+        httpx.post(f"{url}/resume", timeout=60).raise_for_status()
+        complete("after", [5, 6, 7], 3)
+        aborted = [out[f"long{i}"]["choices"][0] for i in range(4)]
+        scored = api.log_probs([{"prompt_ids": [5 + i, 6, 7, 8], "response_ids": c["token_ids"]}
+                                for i, c in enumerate(aborted)])
+        status = httpx.get(f"{url}/v1/status", timeout=30).json()["serving"]
+    return {"running_after_shorts": running_after_shorts,
+            "short_tokens": [len(out[f"short{i}"]["choices"][0]["token_ids"]) for i in range(4)],
+            "aborted_finish": sorted({c["finish_reason"] for c in aborted}),
+            "aborted_tokens": [len(c["token_ids"]) for c in aborted],
+            "aborted_err": max_err([c["logprobs"]["token_logprobs"] for c in aborted], scored.logprobs),
+            "after": out["after"]["choices"][0]["finish_reason"], "generate_calls": status["generate_calls"],
+            "requests": status["requests"]["completions"]}
+
+
 def truncated(model_dir):
     """With top-p / top-k at temperature 1 the completions' log-probs are the model's (the trainer's), not
     vLLM's renormalised ones; its top alternatives stay vLLM's."""
@@ -207,30 +255,82 @@ def truncated(model_dir):
 
 
 def abort(model_dir):
-    """abort_generation ends vLLM's engine loop between two steps; the engine then serves as before."""
+    """abort_generation ends every request in flight between two engine steps, each with what it sampled so far
+    and its log-probs; the engine then serves as before."""
     api = backend(model_dir)
     prompts = [[5 + i, 6, 7, 8, 9] for i in range(16)]
-    full = {"n": 4, "max_tokens": 240, "seed": 0}
+    full = {"n": 4, "max_tokens": 240, "min_tokens": 240, "seed": 0}
     api.generate(prompts[:1], {"max_tokens": 2})  # warm-up
     t0 = time.perf_counter()
-    api.generate(prompts[:2], {"n": 4, "max_tokens": 240, "seed": 0})
+    api.generate(prompts[:2], full)
     small_s = time.perf_counter() - t0
     box = {}
     running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts, full)))
     running.start()
-    engine = api.sampler.llm.llm_engine
-    while not engine.has_unfinished_requests():  # the call has started
+    while not api.sampler.requests_in_flight():  # the call has started
         time.sleep(0.005)
     time.sleep(small_s / 4)  # well inside it: it has 8 times the work of `small_s`
     t1 = time.perf_counter()
     api.abort_generation()
     running.join(120)
+    returned_s = time.perf_counter() - t1
+    out = box["out"]
+    cut = [c for c in out if c.finish_reason == "abort"]
+    partial = [c for c in cut if c.token_ids]
+    # What each aborted sample reached is the model's: its log-probs are the trainer's.
+    scored = api.log_probs([{"prompt_ids": prompts[c.prompt_index], "response_ids": c.token_ids} for c in partial])
     after = api.generate([[5, 6, 7]], {"max_tokens": 4, "seed": 1})
-    return {"small_s": small_s, "returned_after_abort_s": time.perf_counter() - t1,
-            "finish": sorted({c.finish_reason for c in box["out"]}), "completions": len(box["out"]),
-            "aborted_empty": all(not c.token_ids for c in box["out"] if c.finish_reason == "abort"),
+    return {"small_s": small_s, "returned_after_abort_s": returned_s,
+            "finish": sorted({c.finish_reason for c in out}), "completions": len(out), "aborted": len(cut),
+            "partial": len(partial), "shortest_partial": min((len(c.token_ids) for c in partial), default=0),
+            "longest_partial": max((len(c.token_ids) for c in partial), default=0),
+            "logprobs_per_token": all(len(c.logprobs) == len(c.token_ids) for c in cut),
+            "partial_err": max_err([c.logprobs for c in partial], scored.logprobs) if partial else None,
             "after": [after[0].finish_reason, len(after[0].token_ids)],
-            "engine_idle": not api.sampler.llm.llm_engine.has_unfinished_requests()}
+            "engine_idle": api.sampler.requests_in_flight() == 0}
+
+
+def continuous(model_dir):
+    """Calls from several threads join one running batch: a short call sent while a long one runs returns long
+    before it, and what each samples is the model's (log-probs within 1e-3 of the trainer's)."""
+    api = backend(model_dir)
+    long_prompts = [[5 + i, 6, 7, 8, 9] for i in range(8)]
+    api.generate(long_prompts[:1], {"max_tokens": 2})  # warm-up
+    t0 = time.perf_counter()
+    api.generate([[40, 41, 42]], {"max_tokens": 8, "min_tokens": 8, "seed": 3})
+    short_alone_s = time.perf_counter() - t0
+    box, done_at = {}, {}
+
+    def run(name, prompts, sampling):
+        box[name] = api.generate(prompts, sampling)
+        done_at[name] = time.perf_counter()
+
+    long = threading.Thread(target=run, args=("long", long_prompts, {"n": 2, "max_tokens": 200, "min_tokens": 200,
+                                                                      "seed": 0}))
+    t_long = time.perf_counter()
+    long.start()
+    while not api.sampler.requests_in_flight():
+        time.sleep(0.005)
+    time.sleep(0.3)  # the long call is decoding
+    shorts = [threading.Thread(target=run, args=(f"short{i}", [[40 + i, 41, 42]], {"max_tokens": 8, "min_tokens": 8,
+                                                                                    "seed": 3}))
+              for i in range(4)]
+    t_short = time.perf_counter()
+    for t in shorts:
+        t.start()
+    for t in shorts:
+        t.join(120)
+    long_running_after_shorts = long.is_alive()
+    long.join(300)
+    short_s = [done_at[f"short{i}"] - t_short for i in range(4)]
+    every = [(prompts, c) for name, prompts in [("long", long_prompts)] + [(f"short{i}", [[40 + i, 41, 42]]) for i in range(4)]
+             for c in box[name]]
+    scored = api.log_probs([{"prompt_ids": p[c.prompt_index], "response_ids": c.token_ids} for p, c in every])
+    return {"short_alone_s": short_alone_s, "short_s": short_s, "long_s": done_at["long"] - t_long,
+            "long_running_after_shorts": long_running_after_shorts,
+            "lengths": sorted({len(c.token_ids) for _, c in every}), "completions": len(every),
+            "sampled_err": max_err([c.logprobs for _, c in every], scored.logprobs),
+            "calls": api.generated["calls"]}
 
 
 def cascade(model_dir, placement="in_process"):
@@ -272,5 +372,6 @@ if __name__ == "__main__":
     hf_logging.disable_progress_bar()
     scenario, model_dir, *rest = sys.argv[1:]
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
-              "abort": abort, "truncated": truncated, "cascade": cascade}[scenario](model_dir, *rest)
+              "abort": abort, "truncated": truncated, "cascade": cascade, "continuous": continuous,
+              "serving_batch": serving_batch}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

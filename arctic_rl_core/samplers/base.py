@@ -19,6 +19,9 @@ class Sampler(ABC):
     temperature; where not, the backend refuses such a request by name rather than report other numbers."""
     concurrent_generate: bool = False
     """Whether `generate` and `score` may run from several threads at once (a pool of replicas may)."""
+    continuous_batching: bool = False
+    """Whether concurrent calls join one running batch (vLLM's engine): callers need not gather requests into
+    calls themselves."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int) -> list[Completion]: ...

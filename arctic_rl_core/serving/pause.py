@@ -1,8 +1,9 @@
 """Pausing generation for a weight update, as vLLM's `/pause` and `/resume` do.
 
 `pause(mode)`: new requests wait until `resume`; requests in flight are
-- `abort`: answered at once with finish reason "abort" and no tokens (what the
-  sampler was computing for them is discarded and never captured);
+- `abort`: answered at once with finish reason "abort": on a continuously batched
+  sampler (vLLM's engine) with the tokens and log-probs sampled so far, elsewhere
+  with none (the call runs on, and its answer is dropped);
 - `wait`: left to finish; `pause` returns once none is in flight;
 - `keep`: left to finish in the background; `pause` returns at once.
 vLLM's `keep` freezes requests mid-sequence and continues them with the new

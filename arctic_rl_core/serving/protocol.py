@@ -21,7 +21,7 @@ from arctic_rl_core.types import MAX_TOP_LOGPROBS, SESSION_ID_CHARS, SamplingPar
 # Parameters accepted only at the value that leaves sampling as it is.
 NEUTRAL: dict[str, Any] = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-    "ignore_eos": False, "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "echo": False, "suffix": "",
+    "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "echo": False, "suffix": "",
     "best_of": 1, "structured_outputs": {}, "response_format": {"type": "text"}, "priority": 0, "features": {},
     "content_parts": [], "kv_transfer_params": {}, "ec_transfer_params": {}, "truncate_prompt_tokens": None,
     "logits_processors": [], "continue_final_message": False, "thinking_token_budget": None, "watermarking": None,
@@ -73,6 +73,7 @@ class _Sampled(_Request):
     """vLLM's: -1 or 0 disables it."""
     seed: int | None = None
     min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -96,7 +97,7 @@ class _Sampled(_Request):
 
     def sampling(self, max_tokens: int, logprobs: int) -> SamplingParams:
         values = {"n": self.n, "max_tokens": max_tokens, "stop": self.stops(), "stop_token_ids": self.stop_token_ids or [],
-                  "seed": self.seed, "logprobs": logprobs, "min_tokens": self.min_tokens,
+                  "seed": self.seed, "logprobs": logprobs, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
                   "prompt_logprobs": None if self.prompt_logprobs is None else max(self.prompt_logprobs, 0),
                   "temperature": 1.0 if self.temperature is None else self.temperature,
                   "top_p": 1.0 if self.top_p is None else self.top_p,
@@ -144,6 +145,7 @@ class TokenSamplingParams(_Request):
     stop_token_ids: list[int] | None = None
     max_tokens: int | None = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     flat_logprobs: bool = False
@@ -181,7 +183,7 @@ class TokenGenerateRequest(_Request):
         return _sampling({"n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p,
                           "top_k": 0 if sp.top_k == -1 else sp.top_k, "seed": sp.seed, "stop": stops,
                           "stop_token_ids": sp.stop_token_ids or [], "max_tokens": max_tokens,
-                          "min_tokens": sp.min_tokens,
+                          "min_tokens": sp.min_tokens, "ignore_eos": sp.ignore_eos,
                           "logprobs": max(sp.logprobs or 0, 0),
                           "prompt_logprobs": None if sp.prompt_logprobs is None else max(sp.prompt_logprobs, 0)},
                          "sampling_params.")

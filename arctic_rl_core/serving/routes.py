@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -79,13 +80,27 @@ class Serving:
     """`hermes`: chat replies' <tool_call> blocks become the message's `tool_calls` (requests with `tools`)."""
     gate: PauseGate = field(default_factory=PauseGate)
     requests: dict[str, int] = field(default_factory=lambda: {"completions": 0, "chat": 0, "generate": 0})
+    max_concurrent: int = 64
+    """Requests sampling at once on a continuously batched sampler (the server's connection cap)."""
     _codec: tuple[Any, TextCodec] | None = None
     _coalescer: tuple[Any, Coalescer] | None = None
+    _callers: ThreadPoolExecutor | None = None
+    _direct_calls: int = 0
 
     def codec(self, api) -> TextCodec:
         if self._codec is None or self._codec[0] is not api:
             self._codec = (api, TextCodec(api.config.model_path))
         return self._codec[1]
+
+    def generate(self, api, executor, prompts: list[list[int]], sampling: SamplingParams) -> Awaitable[list[Completion]]:
+        """A sampler that batches continuously (vLLM's engine) takes each request as its own call, at once: it joins
+        the running batch. Others take the calls the coalescer gathers."""
+        if not api.sampler.continuous_batching:
+            return self.coalescer(api, executor).generate(prompts, sampling)
+        if self._callers is None:
+            self._callers = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="arctic-sample")
+        self._direct_calls += 1
+        return asyncio.wrap_future(self._callers.submit(api.generate, prompts, sampling))
 
     def coalescer(self, api, executor) -> Coalescer:
         """The job's sampler takes concurrent requests as one call; a pool of replicas takes several calls."""
@@ -101,7 +116,7 @@ class Serving:
 
     def describe(self) -> dict:
         return {"requests": dict(self.requests), **self.gate.describe(),
-                "generate_calls": self._coalescer[1].calls if self._coalescer else 0}
+                "generate_calls": self._direct_calls + (self._coalescer[1].calls if self._coalescer else 0)}
 
 
 def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[], Any],
@@ -141,11 +156,13 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             # Checked alone first: a bad request is refused on its own and never joins (and fails) a batch.
             api.checked_generate(prompts, sampling)
             async with serving.gate.admitted() as abort:
-                work = asyncio.ensure_future(serving.coalescer(api, job.reads).generate(prompts, sampling))
+                work = asyncio.ensure_future(serving.generate(api, job.reads, prompts, sampling))
                 try:
                     completions = await serving.gate.run(abort, work)
                 except Aborted:
-                    completions = None
+                    # A continuously batched sampler answers it with what it sampled so far (the pause ends its
+                    # requests in flight); another sampler's call runs on, and its answer is dropped.
+                    completions = await work if api.sampler.continuous_batching else None
         except InvalidRequest as err:
             raise type(err)(fields(err.field), err.message) from None
         serving.requests[route] += 1

@@ -1,0 +1,126 @@
+"""The loop that drives vLLM's engine for every caller, on a scripted engine with vLLM's interface (add_request, step,
+abort_request, has_unfinished_requests): requests join between steps, each call answers on its own, an abort
+returns what was sampled, a failing step fails the callers in flight and the loop refuses later work.
+(On the real engine: tests/test_vllm_sampler.py.)"""
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from vllm import SamplingParams
+
+from arctic_rl_core.errors import ArcticRLError
+from arctic_rl_core.samplers.vllm_engine_loop import EngineLoop
+
+
+class ScriptedEngine:
+    """Each step gives every running request one token (its length so far + 100) and finishes it at `max_tokens`."""
+
+    def __init__(self):
+        self.running: dict[str, dict] = {}
+        self.steps = 0
+        self.fail_at_step: int | None = None
+        self.threads: set[str] = set()
+        self.step_gate = threading.Semaphore(0)
+        self.free_running = True
+
+    def add_request(self, request_id, prompt, params):
+        self.threads.add(threading.current_thread().name)
+        if params.max_tokens > 1000:
+            raise ValueError("max_tokens too large")
+        self.running[request_id] = {"n": params.n, "left": params.max_tokens, "made": 0}
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def abort_request(self, request_ids, internal=False):
+        for request_id in request_ids:
+            self.running.pop(request_id, None)
+
+    def step(self):
+        if not self.free_running:
+            self.step_gate.acquire()
+        self.threads.add(threading.current_thread().name)
+        self.steps += 1
+        if self.fail_at_step == self.steps:
+            raise RuntimeError("device lost")
+        outputs = []
+        for request_id, state in list(self.running.items()):
+            state["made"] += 1
+            state["left"] -= 1
+            done = state["left"] == 0
+            deltas = [SimpleNamespace(index=i, token_ids=[100 + state["made"]], logprobs=[{100 + state["made"]: -0.5}],
+                                      finish_reason="length" if done else None) for i in range(state["n"])]
+            outputs.append(SimpleNamespace(request_id=request_id, outputs=deltas, finished=done, prompt_logprobs=None))
+            if done:
+                del self.running[request_id]
+        return outputs
+
+
+def _params(max_tokens, n=1):
+    return SamplingParams(max_tokens=max_tokens, n=n)
+
+
+@pytest.fixture
+def loop():
+    engine = ScriptedEngine()
+    loop = EngineLoop(lambda: SimpleNamespace(llm_engine=engine))
+    loop.engine = engine
+    yield loop
+    engine.free_running = True
+    engine.step_gate.release(10_000)
+    loop.close()
+
+
+def _steps(loop, count):
+    """Let the scripted engine take `count` more steps, and wait for them."""
+    target = loop.engine.steps + count
+    loop.engine.step_gate.release(count)
+    while loop.engine.steps < target:
+        threading.Event().wait(0.001)
+
+
+def test_a_short_call_returns_while_a_long_one_runs_and_every_use_is_on_the_loops_thread(loop):
+    loop.engine.free_running = False
+    long = loop.submit([{"prompt_token_ids": [1]}] * 2, _params(50, n=2))
+    _steps(loop, 2)
+    short = loop.submit([{"prompt_token_ids": [2]}], _params(3))
+    _steps(loop, 4)  # the step the loop waited in, then the short request's three
+    assert [s.token_ids for s in short.result(10)[0].samples] == [[101, 102, 103]]
+    assert not long.done()  # it joined the running batch, not a queue behind the long call
+    loop.engine.free_running = True
+    loop.engine.step_gate.release(100)
+    results = long.result(10)
+    assert all(s.token_ids == list(range(101, 151)) and s.finish_reason == "length" for r in results for s in r.samples)
+    assert loop.call(threading.current_thread) is loop._thread
+    assert loop.engine.threads == {loop._thread.name}
+
+
+def test_an_abort_returns_what_each_sample_reached(loop):
+    loop.engine.free_running = False
+    running = loop.submit([{"prompt_token_ids": [1]}], _params(100, n=2))
+    _steps(loop, 5)
+    aborting = threading.Thread(target=loop.abort_all)
+    aborting.start()  # taken at the next step boundary: after the step the loop may be waiting in
+    loop.engine.step_gate.release(1)
+    aborting.join(10)
+    [result] = running.result(10)
+    assert [s.finish_reason for s in result.samples] == ["abort", "abort"]
+    assert all(5 <= len(s.token_ids) <= 6 and len(s.logprobs) == len(s.token_ids) for s in result.samples)
+    assert loop.in_flight == 0 and not loop.engine.running
+
+
+def test_a_request_the_engine_refuses_fails_its_call_alone_and_leaves_nothing_running(loop):
+    with pytest.raises(ValueError, match="max_tokens"):
+        loop.submit([{"prompt_token_ids": [1]}, {"prompt_token_ids": [2]}], _params(5000)).result(10)
+    assert not loop.engine.running
+    assert len(loop.submit([{"prompt_token_ids": [1]}], _params(2)).result(10)[0].samples[0].token_ids) == 2
+
+
+def test_a_failing_step_fails_the_calls_in_flight_and_the_loop_refuses_later_work(loop):
+    loop.engine.fail_at_step = 3
+    with pytest.raises(ArcticRLError, match="device lost"):
+        loop.submit([{"prompt_token_ids": [1]}], _params(10)).result(10)
+    with pytest.raises(ArcticRLError, match="stopped"):
+        loop.submit([{"prompt_token_ids": [1]}], _params(2))
