@@ -13,7 +13,8 @@ BENCHMARKS = {
     "zorro": "fwd_bwd and log_probs with ZoRRo off vs on",
     "attention": "split attention's backends side by side on one forest (one layer); --save records them for auto",
     "server": "HTTP round-trip latency, payload throughput and fwd_bwd request overhead over loopback",
-    "serve": "requests/s and tokens/s through /v1/completions vs the direct generate call, on one sampler",
+    "serve": "requests/s and tokens/s through /v1/completions vs the direct generate call, on one sampler; "
+             "--vs-vllm: against vllm serve with the same engine arguments",
     "update": "an adapter's actor update: log_probs + fwd_bwd (two forwards) vs fwd_bwd returning log-probs (one)",
     "sync": "sync_weights time and GB/s per path and model size, beside memcpy",
     "scale": "generate with 1 vs 2 sampler replicas, fwd_bwd with 1 vs 2 trainer ranks, the driver's per-call overhead",

