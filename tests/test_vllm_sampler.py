@@ -106,7 +106,7 @@ def test_served_requests_join_the_running_batch_and_an_abort_returns_their_parti
     result = run_scenario("serving_batch", tiny_model)
     assert result["running_after_shorts"] == 4 and result["short_tokens"] == [4] * 4, result
     assert result["aborted_finish"] == ["abort"], result
-    assert all(0 < n < 300 for n in result["aborted_tokens"]), result
+    assert all(0 < n < 200 for n in result["aborted_tokens"]), result
     assert result["aborted_err"] <= 1e-3, result
     assert result["after"] == "length"
     assert result["generate_calls"] == result["requests"] == 10  # one call each: nothing gathered them
@@ -153,14 +153,18 @@ def test_zorro_inference_decodes_shared_prompts_with_forest_cascade_attention(ti
     result = run_scenario("cascade", tiny_model, placement)
     assert result["lengths"] == [8] and result["distinct"] > 1
     assert result["sampled_err"] <= 1e-4
-    # 8 tokens: the first from the prefill, 7 decoding steps, each in both attention layers.
-    assert result["served_groups"] == {"cascade": 7, "cascade_layers": 14}
+    # 8 tokens: the first from the prefill, 7 decoding steps, each in both attention layers. Where vLLM prefilled
+    # the second prompt a step after the first (its engine core takes requests as they arrive), that step mixes a
+    # prefill in and runs vLLM's own kernels.
+    served_groups = result["served_groups"]
+    assert served_groups["cascade"] + served_groups.get("plain", 0) == 7 and served_groups["cascade"] >= 6
+    assert served_groups["cascade_layers"] == 2 * served_groups["cascade"]
     # After a step and a sync the engine still decodes with it, with the new weights (how many of the 2 samples'
     # steps share depends on whether vLLM prefilled them in one step); then unrelated prompts, sharing nothing,
     # decode with vLLM's own kernels (3 steps).
     served = result["served"]
     assert result["synced_err"] <= 1e-4
-    assert served["cascade"] > 7 and served["cascade_layers"] == 2 * served["cascade"]
+    assert served["cascade"] > served_groups["cascade"] and served["cascade_layers"] == 2 * served["cascade"]
     assert served["plain"] >= 3 and served["cascade"] + served["plain"] == 7 + 2 + 3
     if placement == "in_process":  # vLLM's registry is restored once the engine's layers hold their backend
         patches = result["patches"]

@@ -22,6 +22,14 @@ def backend(model_dir, sync="shared_memory", placement="in_process", layout="pla
                                          "engine_args": engine_args or {}}})
 
 
+def _wait_until(condition, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not reached in {timeout_s} s: {condition}")
+        time.sleep(0.005)
+
+
 def max_err(a, b):
     return max(abs(x - y) for r, q in zip(a, b) for x, y in zip(r, q))
 
@@ -194,11 +202,11 @@ def serving_batch(model_dir):
             done_at[name] = time.perf_counter()
 
         complete("warm", [5, 6, 7], 2)
-        longs = [threading.Thread(target=complete, args=(f"long{i}", [5 + i, 6, 7, 8], 300)) for i in range(4)]
+        # 4 + 200 tokens: within the tests' tiny model's 256 positions.
+        longs = [threading.Thread(target=complete, args=(f"long{i}", [5 + i, 6, 7, 8], 200)) for i in range(4)]
         for t in longs:
             t.start()
-        while api.sampler.requests_in_flight() < 4:
-            time.sleep(0.005)
+        _wait_until(lambda: api.sampler.requests_in_flight() == 4)
         shorts = [threading.Thread(target=complete, args=(f"short{i}", [50 + i, 6, 7], 4)) for i in range(4)]
         for t in shorts:
             t.start()
@@ -267,8 +275,7 @@ def abort(model_dir):
     box = {}
     running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts, full)))
     running.start()
-    while not api.sampler.requests_in_flight():  # the call has started
-        time.sleep(0.005)
+    _wait_until(api.sampler.requests_in_flight)  # the call has started
     time.sleep(small_s / 4)  # well inside it: it has 8 times the work of `small_s`
     t1 = time.perf_counter()
     api.abort_generation()
@@ -309,8 +316,7 @@ def continuous(model_dir):
                                                                       "seed": 0}))
     t_long = time.perf_counter()
     long.start()
-    while not api.sampler.requests_in_flight():
-        time.sleep(0.005)
+    _wait_until(api.sampler.requests_in_flight)
     time.sleep(0.3)  # the long call is decoding
     shorts = [threading.Thread(target=run, args=(f"short{i}", [[40 + i, 41, 42]], {"max_tokens": 8, "min_tokens": 8,
                                                                                     "seed": 3}))
