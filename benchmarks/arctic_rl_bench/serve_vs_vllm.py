@@ -189,7 +189,9 @@ GOALS = {"short_behind_long": 1.25, "heavy_tail": 1.25, "stream_ttft": 1.25, "si
 async def _round(url: str, names: list[str]) -> dict:
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)) as http:
+    # A connection per request: a kept-alive one reused as the server's keep-alive timer closes it fails the read.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await _complete(http, _prompt(0), 4)  # warm
         return {name: await WORKLOADS[name](http) for name in names}
 
