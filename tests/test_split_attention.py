@@ -151,9 +151,12 @@ def test_score_mods_and_sinks_match_reference_fp32(backend, feature, seed):
     fast = split_attention(q, k, v, layout, D**-0.5, backend=backend, **kwargs)
     ref = split_attention_reference(q, k, v, layout, D**-0.5, **kwargs)
     assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
-    for gf, gr in zip(torch.autograd.grad(fast, inputs, dout), torch.autograd.grad(ref, inputs, dout)):
-        # A window of one makes dq exactly zero in the reference; the fast path's rounding stays below 1e-5.
-        assert (gf - gr).norm() <= 1e-5 * gr.norm() + 1e-5, feature
+    grads_fast, grads_ref = torch.autograd.grad(fast, inputs, dout), torch.autograd.grad(ref, inputs, dout)
+    # A window of one makes dq exactly zero in the reference: it is judged at the whole gradient's scale (1e-6 of it,
+    # fp32 rounding there), not at a fixed floor that a CPU's rounding can cross (1.0007e-5 under =default).
+    floor = 1e-6 * torch.cat([g.flatten() for g in grads_ref]).norm()
+    for gf, gr in zip(grads_fast, grads_ref):
+        assert (gf - gr).norm() <= 1e-5 * gr.norm() + floor, feature
 
 
 def test_window_spans_the_prefix_boundary_by_position():
