@@ -20,6 +20,7 @@ from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.batching import build_micro_batches, refuse_unread, require_fields, validate_sequences
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.validation import parse
 from arctic_rl_core.types import (
     CheckpointInfo,
@@ -48,41 +49,6 @@ from arctic_rl_core.trajectories import TrajectoryStore
 
 CRITIC_DIR = "critic"
 """Where a checkpoint of a job with a critic holds the critic's state."""
-
-
-class SharedLock:
-    """Exclusive when entered (`with lock:`), or shared among holders of `lock.shared()`. A waiting exclusive
-    holder goes before new sharers, so a stream of generate calls cannot starve sync_weights."""
-
-    def __init__(self):
-        self._state = threading.Condition()
-        self._sharers = 0
-        self._exclusive = False
-        self._waiting = 0
-
-    def __enter__(self):
-        with self._state:
-            self._waiting += 1
-            self._state.wait_for(lambda: not self._exclusive and not self._sharers)
-            self._waiting -= 1
-            self._exclusive = True
-
-    def __exit__(self, *exc):
-        with self._state:
-            self._exclusive = False
-            self._state.notify_all()
-
-    @contextmanager
-    def shared(self):
-        with self._state:
-            self._state.wait_for(lambda: not self._exclusive and not self._waiting)
-            self._sharers += 1
-        try:
-            yield
-        finally:
-            with self._state:
-                self._sharers -= 1
-                self._state.notify_all()
 
 
 def _split(count: int, micro_batches, outputs, key: str) -> list[list[float]]:
@@ -267,6 +233,14 @@ class InProcessBackend(TrainingAPI):
         self._aborts += 1
         return self.sampler.abort_generation()
 
+    def pause_generation(self) -> bool:
+        """Freeze the sampler's requests in flight until `resume_generation` (the serving routes' `/pause?mode=keep`):
+        a weight sync in between takes effect for the rest of each. False where the sampler cannot."""
+        return self.sampler.pause_generation()
+
+    def resume_generation(self) -> None:
+        self.sampler.resume_generation()
+
     def episode(self, session: str, release: bool = False) -> Episode:
         return self.trajectories.episode(parse(EpisodeRequest, {"session": session, "release": release}, "").session,
                                          release)
@@ -409,7 +383,9 @@ class InProcessBackend(TrainingAPI):
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
 
     def sync_weights(self) -> int:
-        with self._train_lock, self._sampler_lock:
+        # A sampler that crosses syncs takes the weights between two engine steps, generate calls in flight going
+        # on under them; another one's calls are waited for.
+        with self._train_lock, self._sampler_lock.shared() if self.sampler.crosses_syncs else self._sampler_lock:
             self.sampler.load_weights(self.engine.named_full_weights(), self._weight_version + 1)
             self._weight_version += 1
             self._synced_step = self.engine.steps

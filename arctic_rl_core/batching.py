@@ -49,7 +49,7 @@ def validate_sequences(sequences: list[Sequence], *, max_context: int, vocab_siz
 def require_fields(sequences: list[Sequence], fields: tuple[str, ...], why: str, field: str = "sequences") -> None:
     for i, seq in enumerate(sequences):
         for name in fields:
-            if getattr(seq, name) is None:
+            if getattr(seq, name) is None and not (name == "behaviour_version" and seq.behaviour_versions is not None):
                 raise InvalidRequest(f"{field}[{i}].{name}", f"is required by {why}")
 
 
@@ -147,9 +147,12 @@ def _loss_inputs(sequences: list[Sequence], members: list[int], groups: list[int
         values = [getattr(sequences[i], name) for i in members]
         if all(v is not None for v in values):
             per_token[name] = torch.from_numpy(np.concatenate([np.asarray(v, dtype=np.float32) for v in values]))
-    versions = [sequences[i].behaviour_version for i in members]
+    # Per token: a response sampled across a weight sync has several versions.
+    versions = [sequences[i].behaviour_versions if sequences[i].behaviour_versions is not None
+                else None if sequences[i].behaviour_version is None
+                else [sequences[i].behaviour_version] * len(sequences[i].response_ids) for i in members]
     if all(v is not None for v in versions):
-        per_token["behaviour_version"] = torch.repeat_interleave(torch.tensor(versions, dtype=torch.float32), lengths)
+        per_token["behaviour_version"] = torch.tensor([v for seq in versions for v in seq], dtype=torch.float32)
     return LossInputs(
         loss_mask=torch.cat([masks[i] for i in members]),
         seq_index=seq_index,

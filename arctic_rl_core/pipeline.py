@@ -5,7 +5,8 @@ step t+1 is generated only after step t's weights are synced. With k >= 1,
 generation for steps t+1 ... t+k is already under way while step t trains, on
 weights up to k versions old. A completion whose weights are more than k
 versions behind when its batch is taken is dropped and counted. Each kept
-completion carries its `weight_version`, which is the `behaviour_version` the
+completion carries its `weight_version` (the oldest version among its tokens; `token_versions` where a sync
+crossed it), which are the `behaviour_version(s)` the
 decoupled (off-policy) loss terms need.
 
 It lives in the core, not in a recipe, so framework adapters can use it too.

@@ -32,7 +32,8 @@ class TrajectoryStore:
 
     def record(self, session: str, prompts: list, completions: list[Completion]) -> None:
         turns = [Turn(prompt_ids=token_list(prompts[c.prompt_index]), token_ids=c.token_ids, logprobs=c.logprobs,
-                      finish_reason=c.finish_reason, weight_version=c.weight_version) for c in completions]
+                      finish_reason=c.finish_reason, weight_version=c.weight_version, token_versions=c.token_versions)
+                 for c in completions]
         size = sum(len(t.prompt_ids) + len(t.token_ids) for t in turns)
         with self._lock:
             self._episodes.setdefault(session, []).extend(turns)

@@ -89,6 +89,9 @@ class Sequence(_Strict):
     """Log-probs under the policy that sampled the response."""
     behaviour_version: int | None = Field(None, ge=0, le=MAX_VERSION)
     """The weight version that produced `behaviour_logprobs`."""
+    behaviour_versions: TokenIds | None = None
+    """Per response token, the weight version that sampled it and its behaviour log-prob: for a response sampled
+    across a weight sync (`Completion.token_versions`). Give this or `behaviour_version`, not both."""
     proximal_logprobs: TokenFloats | None = None
     """Recomputed proximal-policy log-probs for decoupled (off-policy) losses."""
     ref_logprobs: TokenFloats | None = None
@@ -126,6 +129,15 @@ class Sequence(_Strict):
             if not finite.all():
                 bad = int(np.argmin(finite))
                 raise InvalidRequest(f"{where}.{name}[{bad}]", f"is {values[bad]}, must be finite")
+        if self.behaviour_versions is not None:
+            if self.behaviour_version is not None:
+                raise InvalidRequest(f"{where}.behaviour_versions", "give behaviour_version or behaviour_versions, not both")
+            if len(self.behaviour_versions) != n:
+                raise InvalidRequest(f"{where}.behaviour_versions",
+                                     f"has {len(self.behaviour_versions)} entries but response_ids has {n}")
+            versions = np.asarray(self.behaviour_versions)
+            if versions.size and (versions.min() < 0 or versions.max() > MAX_VERSION):
+                raise InvalidRequest(f"{where}.behaviour_versions", f"versions must be in [0, {MAX_VERSION}]")
         if self.behaviour_logprobs is not None and np.max(self.behaviour_logprobs) > 1e-4:
             raise InvalidRequest(f"{where}.behaviour_logprobs", "log-probs must be <= 0")
         for name in ("loss_mask", "is_weights"):
@@ -257,6 +269,13 @@ class GenerateRequest(_Strict):
         return {} if value is None else value
 
 
+def behaviour(sampled: "Completion | Turn") -> dict[str, Any]:
+    """The fields of a training `Sequence` that say how its response was sampled: log-probs and version(s)."""
+    versions = ({"behaviour_versions": sampled.token_versions} if sampled.token_versions
+                else {"behaviour_version": sampled.weight_version})
+    return {"behaviour_logprobs": sampled.logprobs, **versions}
+
+
 class Completion(_Strict):
     prompt_index: int
     token_ids: list[int]
@@ -266,6 +285,10 @@ class Completion(_Strict):
     """`abort`: the generation was cut short (`abort_generation`, the serving routes' `/pause`); its tokens
     are what was sampled until then, with their log-probs."""
     weight_version: int
+    """The version that sampled its first token (the oldest of its tokens')."""
+    token_versions: list[int] | None = None
+    """Where a weight sync crossed the request: per token, the version that sampled it (and its log-prob); None
+    when `weight_version` sampled every token."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """With `sampling.logprobs` = k: at each sampled position, the k most likely (token id, log-prob)."""
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
@@ -282,6 +305,8 @@ class Turn(_Strict):
     logprobs: list[float]
     finish_reason: Literal["stop", "length", "abort"]
     weight_version: int
+    token_versions: list[int] | None = None
+    """As `Completion.token_versions`."""
 
 
 class EpisodeRequest(_Strict):
@@ -302,8 +327,7 @@ class Episode(_Strict):
         if len(per_turn) != len(self.turns):
             raise InvalidRequest("advantages", f"has {len(per_turn)} entries but the episode has {len(self.turns)} turns")
         return [Sequence(prompt_ids=t.prompt_ids, response_ids=t.token_ids, group_id=self.session if group_id is None else group_id,
-                         advantages=[float(a)] * len(t.token_ids), behaviour_logprobs=t.logprobs,
-                         behaviour_version=t.weight_version)
+                         advantages=[float(a)] * len(t.token_ids), **behaviour(t))
                 for t, a in zip(self.turns, per_turn) if t.token_ids]
 
 

@@ -1,6 +1,7 @@
 """The loop that drives vLLM's engine for every caller, on a scripted engine with vLLM's interface (add_request, step,
 abort_request, has_unfinished_requests): requests join between steps, each call answers on its own, an abort
-returns what was sampled, a failing step fails the callers in flight and the loop refuses later work.
+returns what was sampled, a weight update cuts requests in flight and they go on from what they sampled with each
+token's version, a failing step fails the callers in flight and the loop refuses later work.
 (On the real engine: tests/test_vllm_sampler.py.)"""
 
 import threading
@@ -24,12 +25,14 @@ class ScriptedEngine:
         self.threads: set[str] = set()
         self.step_gate = threading.Semaphore(0)
         self.free_running = True
+        self.added: list = []
 
     def add_request(self, request_id, prompt, params):
         self.threads.add(threading.current_thread().name)
         if params.max_tokens > 1000:
             raise ValueError("max_tokens too large")
         self.running[request_id] = {"n": params.n, "left": params.max_tokens, "made": 0}
+        self.added.append((prompt["prompt_token_ids"], params))
 
     def has_unfinished_requests(self):
         return bool(self.running)
@@ -81,6 +84,15 @@ def _steps(loop, count):
         threading.Event().wait(0.001)
 
 
+def _hold(loop):
+    """`loop.hold()`, taken at the next step boundary: after the step the loop may be waiting in."""
+    holding = threading.Thread(target=loop.hold)
+    holding.start()
+    loop.engine.step_gate.release(1)
+    holding.join(10)
+    assert not holding.is_alive()
+
+
 def test_a_short_call_returns_while_a_long_one_runs_and_every_use_is_on_the_loops_thread(loop):
     loop.engine.free_running = False
     long = loop.submit([{"prompt_token_ids": [1]}] * 2, _params(50, n=2))
@@ -124,3 +136,46 @@ def test_a_failing_step_fails_the_calls_in_flight_and_the_loop_refuses_later_wor
         loop.submit([{"prompt_token_ids": [1]}], _params(10)).result(10)
     with pytest.raises(ArcticRLError, match="stopped"):
         loop.submit([{"prompt_token_ids": [1]}], _params(2))
+
+
+def test_a_weight_update_cuts_requests_in_flight_and_each_sample_goes_on_from_its_tokens_under_the_new_version(loop):
+    loop.engine.free_running = False
+    running = loop.submit([{"prompt_token_ids": [7, 8]}], _params(40, n=2))
+    _steps(loop, 6)
+    _hold(loop)
+    try:
+        waiting = loop.submit([{"prompt_token_ids": [9]}], _params(3))  # arrives while held: waits
+        assert not loop.engine.running and loop.in_flight == 2
+        assert not waiting.done() and len(loop.engine.added) == 1
+        cut = [list(s.token_ids) for s in loop.call(lambda: [s for _, s in loop._suspended])]
+    finally:
+        loop.release(version=1)
+    loop.engine.free_running = True
+    loop.engine.step_gate.release(10_000)
+    [result] = running.result(10)
+    assert all(6 <= len(tokens) <= 7 for tokens in cut)
+    # each sample went on as a request of its own: prompt + its tokens, the rest of its budget
+    continued = loop.engine.added[1:3]
+    assert sorted((prompt, params.max_tokens, params.n) for prompt, params in continued) == sorted(
+        ([7, 8] + tokens, 40 - len(tokens), 1) for tokens in cut)
+    for sample, before in zip(result.samples, cut):
+        assert len(sample.token_ids) == len(sample.versions) == len(sample.logprobs) == 40
+        assert sample.token_ids[:len(before)] == before and sample.finish_reason == "length"
+        assert sample.versions == [0] * len(before) + [1] * (40 - len(before))
+    assert waiting.result(10)[0].samples[0].versions == [1, 1, 1]
+    assert loop.version == 1 and loop.in_flight == 0
+
+
+def test_holds_nest_and_an_abort_while_held_returns_what_was_sampled(loop):
+    loop.engine.free_running = False
+    running = loop.submit([{"prompt_token_ids": [1]}], _params(30))
+    _steps(loop, 4)
+    _hold(loop)
+    with loop.held(version=5):
+        pass
+    assert loop.version == 5 and loop.call(lambda: len(loop._suspended)) == 1  # the outer hold still stands
+    loop.abort_all()
+    [result] = running.result(10)
+    assert result.samples[0].finish_reason == "abort" and 4 <= len(result.samples[0].token_ids) <= 5
+    loop.release()
+    assert loop.in_flight == 0 and not loop.engine.running

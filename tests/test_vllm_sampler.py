@@ -113,6 +113,24 @@ def test_served_requests_join_the_running_batch_and_an_abort_returns_their_parti
 
 
 @pytest.mark.scenario
+@pytest.mark.parametrize("placement", ["in_process", "subprocess"])  # the engine core in its own process runs ahead
+def test_a_weight_sync_mid_generation_loses_no_request_and_each_span_is_its_versions_model(tiny_model, placement):
+    result = run_scenario("crossing", tiny_model, placement)
+    assert result["version"] == 1 and result["completions"] == 16 and result["lengths"] == [160], result
+    assert result["finish"] == ["length"]  # none lost, none cut short
+    assert result["versions"] == [[0, 1]] and result["ordered"], result  # every one crossed the sync, in order
+    assert 0 < min(result["first_span"]) and max(result["first_span"]) < 160, result
+    # each span's sampled log-probs are the trainer's at the version that sampled it ...
+    assert result["v0_span_err"] <= 1e-3 and result["v1_span_err"] <= 1e-3, result
+    assert result["v0_span_vs_v1_trainer"] > 1e-2, result  # ... and the two versions differ
+    # pause_generation (vLLM's `keep`): frozen while paused, the rest sampled under the weights synced meanwhile
+    assert result["paused"] and result["frozen"][0] == result["frozen"][1] > 0, result
+    kept = result["kept_version"]
+    assert result["kept_versions"] == [[kept - 1, kept]] and result["kept_lengths"] == [160], result
+    assert result["engine_idle"]
+
+
+@pytest.mark.scenario
 def test_abort_generation_returns_what_each_request_sampled_and_the_engine_serves_on(tiny_model):
     result = run_scenario("abort", tiny_model)
     assert result["completions"] == 64 and result["finish"] == ["abort"], result  # 240 forced tokens: none ended

@@ -339,6 +339,78 @@ def continuous(model_dir):
             "calls": api.generated["calls"]}
 
 
+def crossing(model_dir, placement="in_process"):
+    """A weight sync while requests are sampling: none is lost, each goes on under the new weights, every token
+    says which version sampled it, and each span's log-probs are the trainer's at that version. Then the same
+    through pause_generation (vLLM's `keep`): frozen while paused, on under the weights synced meanwhile."""
+    import tempfile
+
+    from arctic_rl_core.types import Sequence, behaviour
+    from tests.helpers import grpo_batch
+
+    api = backend(model_dir, placement=placement)
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(8)]
+    sampling = {"n": 2, "max_tokens": 160, "ignore_eos": True, "seed": 0}
+    api.generate(prompts[:1], {"max_tokens": 2})  # warm-up
+    v0 = os.path.join(tempfile.mkdtemp(), "v0")
+    api.save_checkpoint(v0)
+    api.fwd_bwd(grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6), "grpo")
+    api.step()  # the trainer moves on; the sampler still holds version 0
+
+    box = {}
+    running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts, sampling)))
+    running.start()
+    _wait_until(api.sampler.requests_in_flight)
+    time.sleep(0.5)  # decoding
+    version = api.sync_weights()
+    running.join(300)
+    crossed = box["out"]
+    sequences = [Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids, **behaviour(c)) for c in crossed]
+    at_v1 = api.log_probs(sequences).logprobs
+    api.fwd_bwd([s.model_copy(update={"advantages": [1.0] * len(s.response_ids)}) for s in sequences],
+                {"name": "grpo", "config": {"use_decoupled_loss": True, "prox_logp_method": "loglinear"}})
+    api.discard_gradients()
+
+    def spans(versions, logprobs, want):
+        return [lp for v, lp in zip(versions, logprobs) if v == want]
+
+    def span_err(want, trainer):
+        return max(abs(a - b) for c, t in zip(crossed, trainer)
+                   for a, b in zip(spans(c.token_versions, c.logprobs, want), spans(c.token_versions, t, want)))
+
+    result = {"version": version, "completions": len(crossed), "lengths": sorted({len(c.token_ids) for c in crossed}),
+              "finish": sorted({c.finish_reason for c in crossed}),
+              "versions": sorted({tuple(sorted(set(c.token_versions or [c.weight_version]))) for c in crossed}),
+              "ordered": all(c.token_versions == sorted(c.token_versions) for c in crossed if c.token_versions),
+              "first_span": sorted({c.token_versions.count(0) for c in crossed if c.token_versions}),
+              "v1_span_err": span_err(1, at_v1), "v0_span_vs_v1_trainer": span_err(0, at_v1)}
+    api.load_checkpoint(v0)  # the trainer (and the sampler) back at version 0's weights
+    result["v0_span_err"] = span_err(0, api.log_probs(sequences).logprobs)
+
+    # pause (keep): nothing samples while paused; a sync in between applies to the rest of each request
+    api.fwd_bwd(grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6), "grpo")
+    api.step()
+    box.clear()
+    running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts[:4], sampling)))
+    running.start()
+    _wait_until(api.sampler.requests_in_flight)
+    time.sleep(0.3)
+    paused = api.pause_generation()
+    loop = api.sampler._loop
+    frozen_at = loop.call(lambda: sum(len(s.token_ids) for _, s in loop._suspended))
+    time.sleep(0.5)
+    frozen_after = loop.call(lambda: sum(len(s.token_ids) for _, s in loop._suspended))
+    kept_version = api.sync_weights()
+    api.resume_generation()
+    running.join(300)
+    kept = box["out"]
+    result.update({"paused": paused, "frozen": [frozen_at, frozen_after], "kept_version": kept_version,
+                   "kept_versions": sorted({tuple(sorted(set(c.token_versions or [c.weight_version]))) for c in kept}),
+                   "kept_lengths": sorted({len(c.token_ids) for c in kept}),
+                   "engine_idle": api.sampler.requests_in_flight() == 0})
+    return result
+
+
 def cascade(model_dir, placement="in_process"):
     """zorro.inference: decoding steps whose samples share prompt blocks run forest cascade attention inside
     vLLM, and what they sample is what the trainer computes."""
@@ -379,5 +451,5 @@ if __name__ == "__main__":
     scenario, model_dir, *rest = sys.argv[1:]
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
               "abort": abort, "truncated": truncated, "cascade": cascade, "continuous": continuous,
-              "serving_batch": serving_batch}[scenario](model_dir, *rest)
+              "serving_batch": serving_batch, "crossing": crossing}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

@@ -23,6 +23,10 @@ class Sampler(ABC):
     """Whether concurrent calls join one running batch (vLLM's engine): callers need not gather requests into
     calls themselves."""
 
+    crosses_syncs: bool = False
+    """Whether `load_weights` may run while `generate` calls are in flight: they go on under the new weights, each
+    completion's `token_versions` saying which version sampled which token. Otherwise a sync waits for them."""
+
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, weight_version: int) -> list[Completion]: ...
 
@@ -46,6 +50,14 @@ class Sampler(ABC):
         """End the `generate` call in flight (called from another thread): it returns soon, each unfinished
         completion with what it sampled so far and finish reason `abort`. False where the sampler cannot."""
         return False
+
+    def pause_generation(self) -> bool:
+        """Freeze requests in flight (and queue new ones) until `resume_generation`; a weight update in between
+        takes effect for the rest of each. False where the sampler cannot (its calls run to their end)."""
+        return False
+
+    def resume_generation(self) -> None:
+        """End what `pause_generation` began."""
 
     def sleep(self) -> None:
         """Release what generation holds (KV cache) while training runs; a sampler may have nothing to release."""

@@ -6,6 +6,12 @@ engine (it builds it, steps it, and runs every other use of it: weight loads, ca
 workers), and callers from any thread hand it requests. A request is added at the next step boundary and its
 caller is answered as soon as its own samples finish. Outputs come as deltas (vLLM's `RequestOutputKind.DELTA`),
 so what a request sampled so far is known at every step: an abort returns it, with its log-probs.
+
+A weight update crosses the requests in flight (`held`): at a step boundary each one is ended in the engine,
+keeping what it sampled; the weights change while nothing steps; then each sample goes on as a new request whose
+prompt is its prompt and what it sampled so far, so its next tokens are sampled from KV computed afresh under the
+new weights (never the old weights' cache), and every token records the version that sampled it. (A caller whose
+work must see one version, as scoring, keeps weight updates out itself.)
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import itertools
 import queue
 import threading
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +34,8 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     """vLLM's log-probs per sampled position (token id -> Logprob)."""
+    versions: list[int] = field(default_factory=list)
+    """Per sampled token, the weight version that sampled it."""
     finish_reason: str | None = None
     """vLLM's (`stop`, `length`), or `abort`; None while it runs."""
 
@@ -39,21 +48,39 @@ class PromptResult:
 
 @dataclass
 class _Call:
-    """One caller's requests (one per prompt), answered when all have finished."""
+    """One caller's prompts, answered when every sample of every prompt has finished."""
 
-    results: dict[str, PromptResult]
+    results: list[PromptResult]
     future: Future
-    unfinished: set[str]
+    unfinished: int = 0
+    """Samples not finished."""
+
+
+@dataclass
+class _Request:
+    """One engine request: a prompt's n samples, or one sample's continuation after a weight update."""
+
+    call: _Call
+    result: PromptResult
+    prompt_ids: list[int]
+    params: Any
+    samples: list[Sample]
+    """By vLLM's output index."""
 
 
 class EngineLoop:
     def __init__(self, build: Callable[[], Any], name: str = "arctic-rl-vllm-engine"):
         """`build()` makes vLLM's `LLM` on the loop's thread, which then owns it."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._calls: dict[str, _Call] = {}  # request id -> its call
+        self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._closed = False
         self._lock = threading.Lock()  # a command is either run or refused, never left unanswered
+        self.version = 0
+        """The weight version the engine samples with (tokens are labelled with it as they arrive)."""
+        self._holds = 0
+        self._suspended: list[tuple[_Request, Sample]] = []
+        self._deferred: list[tuple] = []  # calls submitted while held: added at the release
         built: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, built), name=name, daemon=True)
         self._thread.start()
@@ -70,8 +97,8 @@ class EngineLoop:
         return done.result()
 
     def submit(self, prompts: list[dict], params) -> Future:
-        """Requests (vLLM prompts, one `SamplingParams` for all) joining the running batch; the future resolves
-        to a `PromptResult` per prompt once every sample of every prompt has finished or was aborted."""
+        """Requests (vLLM token prompts, one `SamplingParams` for all) joining the running batch; the future
+        resolves to a `PromptResult` per prompt once every sample of every prompt has finished or was aborted."""
         done: Future = Future()
         self._put(("add", (prompts, params), done))
         return done
@@ -82,10 +109,29 @@ class EngineLoop:
         self._put(("abort", None, done))
         done.result()
 
+    def hold(self) -> None:
+        """From here nothing samples: requests in flight are cut at a step boundary, calls that arrive wait.
+        Holds nest; the last `release` ends them."""
+        self.call(self._hold)
+
+    def release(self, version: int | None = None) -> None:
+        """End a hold; the version becomes `version` (if given). Once no hold is left, every cut sample goes on
+        from what it sampled, re-read under the weights then held, and the calls that waited join."""
+        self.call(self._release, version)
+
+    @contextmanager
+    def held(self, version: int | None = None):
+        """`hold`, then `release(version)`: a weight update crossing the requests in flight."""
+        self.hold()
+        try:
+            yield
+        finally:
+            self.release(version)
+
     @property
     def in_flight(self) -> int:
-        """Requests (prompts) the engine is running for callers."""
-        return len(self._calls)
+        """Requests (prompts, or cut samples going on) the engine is running for callers."""
+        return len(self._requests) + len(self._suspended)
 
     def close(self) -> None:
         with self._lock:
@@ -109,11 +155,12 @@ class EngineLoop:
             built.set_exception(err)
             return self._shutdown(ArcticRLError("the vLLM sampler failed to start"))
         built.set_result(llm)
-        engine = llm.llm_engine
+        self._engine = engine = llm.llm_engine
         while True:
-            # Idle: wait for work. Running: take whatever arrived, then one engine step.
+            # Idle (or held): wait for work. Running: take whatever arrived, then one engine step.
+            stepping = engine.has_unfinished_requests()
             try:
-                command = self._commands.get(block=not engine.has_unfinished_requests())
+                command = self._commands.get(block=not stepping)
             except queue.Empty:
                 command = None
             while command is not None:
@@ -136,10 +183,13 @@ class EngineLoop:
         """The loop ends: calls in flight and commands not yet run fail with `err`; later ones are refused."""
         with self._lock:
             self._closed = True
-        for request_id, call in list(self._calls.items()):
-            del self._calls[request_id]
-            if not call.future.done():
-                call.future.set_exception(err)
+        futures = [r.call.future for r in self._requests.values()] + [r.call.future for r, _ in self._suspended]
+        futures += [done for *_, done in self._deferred]
+        for future in futures:
+            if not future.done():
+                future.set_exception(err)
+        self._requests.clear()
+        self._suspended.clear()
         while True:
             try:
                 _, _, done = self._commands.get_nowait()
@@ -156,7 +206,10 @@ class EngineLoop:
             except BaseException as err:  # noqa: BLE001 -- raised in the caller's thread
                 done.set_exception(err)
         elif kind == "add":
-            self._add(engine, *payload, done)
+            if self._holds:
+                self._deferred.append((*payload, done))
+            else:
+                self._add(engine, *payload, done)
         elif kind == "abort":
             self._abort(engine)
             done.set_result(None)
@@ -166,51 +219,95 @@ class EngineLoop:
 
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA
-        call = _Call({}, done, set())
-        added = []
+        call = _Call([PromptResult([Sample() for _ in range(params.n)]) for _ in prompts], done)
+        requests = {}
         try:
-            for prompt in prompts:
+            for prompt, result in zip(prompts, call.results):
                 request_id = f"arctic-{next(self._ids)}"
                 engine.add_request(request_id, prompt, params)
-                added.append(request_id)
-                call.results[request_id] = PromptResult([Sample() for _ in range(params.n)])
+                requests[request_id] = _Request(call, result, list(prompt["prompt_token_ids"]), params, result.samples)
         except Exception as err:  # noqa: BLE001 -- a request vLLM refuses: none of the call's stays in the engine
-            engine.abort_request(added)
+            engine.abort_request(list(requests))
             done.set_exception(err)
             return
-        call.unfinished.update(added)
-        for request_id in added:
-            self._calls[request_id] = call
+        call.unfinished = len(prompts) * params.n
+        self._requests.update(requests)
 
     def _take(self, output) -> None:
-        call = self._calls.get(output.request_id)
-        if call is None:  # a request aborted since
+        request = self._requests.get(output.request_id)
+        if request is None:  # a request aborted since
             return
-        result = call.results[output.request_id]
-        if result.prompt_logprobs is None and output.prompt_logprobs is not None:
-            result.prompt_logprobs = output.prompt_logprobs
+        if request.result.prompt_logprobs is None and output.prompt_logprobs is not None:
+            request.result.prompt_logprobs = output.prompt_logprobs
         for delta in output.outputs:
-            sample = result.samples[delta.index]
+            sample = request.samples[delta.index]
             sample.token_ids.extend(delta.token_ids)
+            sample.versions.extend([self.version] * len(delta.token_ids))
             if delta.logprobs is not None:
                 sample.logprobs.extend(delta.logprobs)
             if delta.finish_reason is not None:
-                sample.finish_reason = delta.finish_reason
+                self._finish(request.call, sample, delta.finish_reason)
         if output.finished:
-            self._finish(output.request_id)
+            del self._requests[output.request_id]
 
-    def _finish(self, request_id: str) -> None:
-        call = self._calls.pop(request_id)
-        call.unfinished.discard(request_id)
+    def _finish(self, call: _Call, sample: Sample, reason: str) -> None:
+        if sample.finish_reason is not None:
+            return
+        sample.finish_reason = reason
+        call.unfinished -= 1
         if not call.unfinished and not call.future.done():
-            call.future.set_result(list(call.results.values()))
+            call.future.set_result(call.results)
 
     def _abort(self, engine) -> None:
-        request_ids = list(self._calls)
-        if request_ids:
-            engine.abort_request(request_ids)
-        for request_id in request_ids:
-            for sample in self._calls[request_id].results[request_id].samples:
-                if sample.finish_reason is None:
-                    sample.finish_reason = "abort"
-            self._finish(request_id)
+        if self._requests:
+            engine.abort_request(list(self._requests))
+        cut = [(r.call, s) for r in self._requests.values() for s in r.samples] + [(r.call, s) for r, s in self._suspended]
+        self._requests.clear()
+        self._suspended.clear()
+        for call, sample in cut:
+            self._finish(call, sample, "abort")
+
+    # -- weight updates across requests in flight --------------------------------------------------------
+
+    def _hold(self) -> None:
+        self._holds += 1
+        if self._requests:
+            # Outputs still on their way for these (an engine core in its own process runs ahead) are dropped
+            # by vLLM: what a sample keeps is what arrived before the weights change.
+            self._engine.abort_request(list(self._requests))
+        for request in self._requests.values():
+            self._suspended += [(request, s) for s in request.samples if s.finish_reason is None]
+        self._requests.clear()
+
+    def _release(self, version: int | None) -> None:
+        self._holds -= 1
+        if version is not None:
+            self.version = version
+        if self._holds:
+            return
+        engine = self._engine
+        suspended, self._suspended = self._suspended, []
+        for request, sample in suspended:
+            self._go_on(engine, request, sample)
+        deferred, self._deferred = self._deferred, []
+        for prompts, params, done in deferred:
+            self._add(engine, prompts, params, done)
+
+    def _go_on(self, engine, request: _Request, sample: Sample) -> None:
+        """A cut sample continues as a request of its own: prompt + what it sampled, the rest of its budget."""
+        params = request.params.clone()
+        done_tokens = len(sample.token_ids)
+        params.max_tokens = request.params.max_tokens - done_tokens
+        if params.max_tokens <= 0:
+            return self._finish(request.call, sample, "length")
+        params.n = 1
+        params.min_tokens = max(0, request.params.min_tokens - done_tokens)
+        params.prompt_logprobs = None
+        if params.seed is not None:  # not the draws its first tokens took again
+            params.seed = (params.seed + done_tokens) % 2**63
+        request_id = f"arctic-{next(self._ids)}"
+        try:
+            engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids + sample.token_ids}, params)
+        except Exception:  # noqa: BLE001 -- it cannot go on: it ends with what it has
+            return self._finish(request.call, sample, "abort")
+        self._requests[request_id] = _Request(request.call, request.result, request.prompt_ids, request.params, [sample])

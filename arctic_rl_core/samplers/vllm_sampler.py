@@ -23,6 +23,7 @@ import torch
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.samplers.vllm_engine_loop import EngineLoop
@@ -63,6 +64,7 @@ class VLLMSampler(Sampler):
     exact_truncated_logprobs = False
     concurrent_generate = True  # every call's requests join the one running batch
     continuous_batching = True
+    crosses_syncs = True  # a weight update cuts requests in flight and they go on under the new weights
 
     def __init__(self, config: BackendConfig):
         from transformers import AutoConfig
@@ -101,6 +103,10 @@ class VLLMSampler(Sampler):
                 return LLM(**engine_args)
 
         self._loop = EngineLoop(build)
+        # Held (shared) by work that must see one weight version from start to end (scoring, a generate call
+        # whose log-probs are scored again, prompt log-probs); a weight update takes it alone.
+        self._one_version = SharedLock()
+        self._paused = False
         self.llm = self._loop.llm  # used on the loop's thread only (`self._loop.call`)
         self._sync_dir = sc.sync_dir or tempfile.mkdtemp(prefix="arctic-rl-sync-")
         self._group = None
@@ -137,11 +143,33 @@ class VLLMSampler(Sampler):
         self._loop.abort_all()
         return True
 
+    def pause_generation(self) -> bool:
+        # Work that must see one version is let finish first and kept out until the resume, so a sync in
+        # between never waits for a call that waits for the resume.
+        self._one_version.__enter__()
+        self._paused = True
+        self._loop.hold()
+        return True
+
+    def resume_generation(self) -> None:
+        self._loop.release()
+        self._paused = False
+        self._one_version.__exit__(None, None, None)
+
     def requests_in_flight(self) -> int:
         """Prompts the engine is sampling for callers now."""
         return self._loop.in_flight
 
     def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
+        rescored = sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_tokens > 0)
+        one_version = rescored or sampling.prompt_logprobs is not None
+        with self._one_version.shared() if one_version else nullcontext():
+            completions = self._generate(prompts, sampling, weight_version)
+            if rescored:
+                self._untruncated(prompts, completions)
+        return completions
+
+    def _generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
         results = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling)).result()
         completions = []
         for index, result in enumerate(results):
@@ -154,15 +182,14 @@ class VLLMSampler(Sampler):
                         token_ids=sample.token_ids,
                         logprobs=[step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)],
                         finish_reason=sample.finish_reason,
-                        weight_version=weight_version,
+                        weight_version=sample.versions[0] if sample.versions else weight_version,
+                        token_versions=sample.versions if len(set(sample.versions)) > 1 else None,
                         top_logprobs=[_top(step, sampling.logprobs) for step in sample.logprobs] if sampling.logprobs else None,
                         prompt_logprobs=None if sampling.prompt_logprobs is None or result.prompt_logprobs is None else [
                             [(token, step[token].logprob)] + _top(step, sampling.prompt_logprobs)
                             for step, token in zip(result.prompt_logprobs[1:], prompts[index][1:])],
                     )
                 )
-        if sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_tokens > 0):
-            self._untruncated(prompts, completions)
         return completions
 
     def _untruncated(self, prompts, completions: list[Completion]) -> None:
@@ -180,7 +207,8 @@ class VLLMSampler(Sampler):
         from vllm import SamplingParams as VLLMParams
 
         params = VLLMParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outputs = self._loop.submit([{"prompt_token_ids": p + r} for p, r in sequences], params).result()
+        with self._one_version.shared():
+            outputs = self._loop.submit([{"prompt_token_ids": p + r} for p, r in sequences], params).result()
         scores = []
         for (prompt, response), out in zip(sequences, outputs):
             if out.prompt_logprobs is None:
@@ -247,6 +275,18 @@ class VLLMSampler(Sampler):
         return len(written)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Between two engine steps, whatever is sampling: requests in flight are cut, the weights change, the
+        prefix cache is emptied, and the requests go on, their next tokens sampled under version `version`."""
+        with nullcontext() if self._paused else self._one_version, self._loop.held(version):
+            count = self._load(weights)
+            if not self._loop.call(self.llm.reset_prefix_cache):
+                # KV computed under the old weights would be read as the new ones': nothing may go on.
+                self._loop.abort_all()
+                raise ArcticRLError("sync_weights: vLLM did not empty its prefix cache; the requests in flight "
+                                    "were aborted")
+        return count
+
+    def _load(self, weights) -> int:
         if self._direct is not None and not self._direct_checked:
             weights = list(weights)  # references; copies only where the engine gathers (ZeRO-3, LoRA)
             self._check_direct(weights)
@@ -258,7 +298,6 @@ class VLLMSampler(Sampler):
             [count] = self.rpc("arctic_load_weights", args=(weights,))
         else:
             count = self._sync_file(weights)
-        self._loop.call(self.llm.reset_prefix_cache)
         return count
 
     def rpc(self, method, **kwargs) -> list:

@@ -5,10 +5,11 @@
   sampler (vLLM's engine) with the tokens and log-probs sampled so far, elsewhere
   with none (the call runs on, and its answer is dropped);
 - `wait`: left to finish; `pause` returns once none is in flight;
-- `keep`: left to finish in the background; `pause` returns at once.
-vLLM's `keep` freezes requests mid-sequence and continues them with the new
-weights; our samplers run a request to its end, so here they finish with the
-weights they started with (each completion reports that weight version).
+- `keep`: frozen where they are, as vLLM's `keep` does, on a sampler that can
+  (`Sampler.pause_generation`: vLLM's engine); a weight sync before `resume`
+  applies to the rest of each request, whose tokens then carry two versions
+  (`Completion.token_versions`). Another sampler runs them to their end under
+  the weights they started with.
 """
 
 from __future__ import annotations

@@ -79,6 +79,8 @@ class Serving:
     tool_call_parser: str | None = None
     """`hermes`: chat replies' <tool_call> blocks become the message's `tool_calls` (requests with `tools`)."""
     gate: PauseGate = field(default_factory=PauseGate)
+    frozen: Any = None
+    """The job whose sampler `/pause?mode=keep` froze, until `/resume`."""
     requests: dict[str, int] = field(default_factory=lambda: {"completions": 0, "chat": 0, "generate": 0})
     max_concurrent: int = 64
     """Requests sampling at once on a continuously batched sampler (the server's connection cap)."""
@@ -382,10 +384,17 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         if mode == "abort" and job.api is not None:
             # The sampler ends the call in flight too, so a weight sync need not wait for it.
             await asyncio.to_thread(job.api.abort_generation)
+        if mode == "keep" and job.api is not None and serving.frozen is None:
+            # Requests in flight stop where they are; a weight update before /resume applies to the rest of each.
+            api = job.api
+            serving.frozen = api if await asyncio.to_thread(api.pause_generation) else None
         return {"status": "paused"}
 
     @app.post("/resume")
     async def resume():
+        if serving.frozen is not None:
+            frozen, serving.frozen = serving.frozen, None
+            await asyncio.to_thread(frozen.resume_generation)
         serving.gate.resume()
         return {"status": "resumed"}
 

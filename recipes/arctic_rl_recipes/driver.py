@@ -30,7 +30,7 @@ from arctic_rl_recipes.multihop.task import MultihopTask
 from arctic_rl_recipes.rewards import RewardPool
 from arctic_rl_recipes.task import Example
 from arctic_rl_recipes.text2sql.task import Text2SQLTask
-from arctic_rl_core.types import LossSpec, SamplingParams, Sequence
+from arctic_rl_core.types import LossSpec, SamplingParams, Sequence, behaviour
 
 TASKS = {"text2sql": Text2SQLTask, "multihop_qa": MultihopTask}
 STATE_FILE = "driver_state.json"
@@ -252,8 +252,7 @@ class RecipeRun:
             for j, adv in zip(members, group_advantages(rewards, g.normalize_std)):
                 c = completions[j]
                 sequences.append(Sequence(prompt_ids=batch.prompts[p], response_ids=c.token_ids, group_id=f"{step}-{p}",
-                                          advantages=[adv] * len(c.token_ids), behaviour_logprobs=c.logprobs,
-                                          behaviour_version=c.weight_version))
+                                          advantages=[adv] * len(c.token_ids), **behaviour(c)))
         metrics = {}
         if sequences:
             if self._needs_proximal():
