@@ -208,7 +208,9 @@ class InProcessBackend(TrainingAPI):
         return request
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
-                 session: str | None = None) -> list[Completion]:
+                 session: str | None = None, on_tokens=None) -> list[Completion]:
+        """`on_tokens(prompt index, sample index, token ids)`: a sampler that batches continuously calls it with each
+        engine step's new tokens (streaming); another sampler does not call it."""
         request = self.checked_generate(prompts, sampling, session)
         prompts, params = request.prompts, request.sampling
         epoch = self._aborts
@@ -218,7 +220,9 @@ class InProcessBackend(TrainingAPI):
                                           weight_version=self._weight_version)
                                for i in range(len(prompts)) for _ in range(params.n)]
             else:
-                completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version)
+                streamed = {"on_tokens": on_tokens} if on_tokens is not None and self.sampler.continuous_batching else {}
+                completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version,
+                                                    **streamed)
         with self._counters_lock:
             self.generated["calls"] += 1
             self.generated["completions"] += len(completions)
@@ -454,6 +458,7 @@ class InProcessBackend(TrainingAPI):
             "generated": dict(self.generated),
             "episodes": self.trajectories.describe(),
             "sync_route": self.sampler.sync_route,
+            "crosses_syncs": self.sampler.crosses_syncs,
             "max_context": self.sampler.max_context,
             "weights_fingerprint": self.weights_fingerprint,
             "trainer": getattr(self.engine, "placement",

@@ -147,7 +147,7 @@ def test_a_weight_update_cuts_requests_in_flight_and_each_sample_goes_on_from_it
         waiting = loop.submit([{"prompt_token_ids": [9]}], _params(3))  # arrives while held: waits
         assert not loop.engine.running and loop.in_flight == 2
         assert not waiting.done() and len(loop.engine.added) == 1
-        cut = [list(s.token_ids) for s in loop.call(lambda: [s for _, s in loop._suspended])]
+        cut = [s.token_ids for s in loop.cut_samples()]
     finally:
         loop.release(version=1)
     loop.engine.free_running = True
@@ -173,7 +173,7 @@ def test_holds_nest_and_an_abort_while_held_returns_what_was_sampled(loop):
     _hold(loop)
     with loop.held(version=5):
         pass
-    assert loop.version == 5 and loop.call(lambda: len(loop._suspended)) == 1  # the outer hold still stands
+    assert loop.version == 5 and len(loop.cut_samples()) == 1  # the outer hold still stands
     loop.abort_all()
     [result] = running.result(10)
     assert result.samples[0].finish_reason == "abort" and 4 <= len(result.samples[0].token_ids) <= 5

@@ -131,6 +131,17 @@ def test_a_weight_sync_mid_generation_loses_no_request_and_each_span_is_its_vers
 
 
 @pytest.mark.scenario
+def test_streamed_replies_arrive_as_the_engine_samples_them(tiny_model):
+    result = run_scenario("streaming", tiny_model)
+    # a piece per engine step (one token each here), the first long before the last
+    assert result["pieces"] == result["tokens"] == 120 and result["first_piece_s"] < result["last_s"] / 4, result
+    assert result["text_is_reply"] and result["finish"] == ["length"] and result["usage"] == [120], result
+    # a stop string: the content is the reply cut before it, and no piece ever held any of it
+    assert result["chat_pieces"] > 2 and result["chat_content_is_cut_reply"] and not result["stop_sent"], result
+    assert result["chat_finish"] == [["stop", True]], result
+
+
+@pytest.mark.scenario
 def test_abort_generation_returns_what_each_request_sampled_and_the_engine_serves_on(tiny_model):
     result = run_scenario("abort", tiny_model)
     assert result["completions"] == 64 and result["finish"] == ["abort"], result  # 240 forced tokens: none ended

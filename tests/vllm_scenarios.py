@@ -231,6 +231,62 @@ def serving_batch(model_dir):
             "requests": status["requests"]["completions"]}
 
 
+def streaming(model_dir):
+    """`stream: true` on a vLLM sampler sends text as the engine samples it: many pieces, the first long before the
+    last; together they are the reply, cut before a stop string that was never sent even in part."""
+    import httpx
+
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    api = backend(model_dir)
+
+    def events(url, route, body):
+        t0, out = time.perf_counter(), []
+        with httpx.stream("POST", f"{url}/v1/{route}", json={"model": model_dir, "stream": True, **body},
+                          timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    out.append((time.perf_counter() - t0, json.loads(line[len("data: "):])))
+        return out
+
+    with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda config: api) as url:
+        httpx.post(f"{url}/v1/completions", json={"model": model_dir, "prompt": [5, 6, 7], "max_tokens": 2}, timeout=60)
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 120, "ignore_eos": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        streamed = events(url, "completions", body)
+        pieces = [(t, e["choices"][0]) for t, e in streamed if e["choices"] and e["choices"][0]["finish_reason"] is None]
+        final = [e["choices"][0] for _, e in streamed if e["choices"] and e["choices"][0]["finish_reason"]]
+        ids = [i for _, c in pieces for i in c["token_ids"]]
+        text = "".join(c["text"] for _, c in pieces) + "".join(c["text"] for c in final)
+        result = {"pieces": len(pieces), "first_piece_s": pieces[0][0], "last_s": streamed[-1][0],
+                  "tokens": len(ids), "text_is_reply": text == api_text(api, ids),
+                  "finish": [c["finish_reason"] for c in final],
+                  "usage": [e["usage"]["completion_tokens"] for _, e in streamed if e.get("usage")]}
+
+        messages = [{"role": "user", "content": "Say something."}]
+        plain = {"messages": messages, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        greedy = httpx.post(f"{url}/v1/chat/completions", json={"model": model_dir, **plain}, timeout=60).json()
+        reply = greedy["choices"][0]["message"]["content"]
+        # a stop string first found past a few pieces of the reply
+        at = next(k for k in range(len(reply) // 3, len(reply) - 3) if reply.find(reply[k:k + 3]) == k)
+        stop = reply[at:at + 3]
+        chat = events(url, "chat/completions", {**plain, "stop": [stop]})
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for _, e in chat if e["choices"])
+        ends = [e["choices"][0] for _, e in chat if e["choices"] and e["choices"][0]["finish_reason"]]
+        result.update({"chat_pieces": sum(1 for _, e in chat if e["choices"] and e["choices"][0]["delta"].get("content")),
+                       "chat_content_is_cut_reply": content == reply[:at], "stop_sent": stop in content,
+                       "chat_finish": [(c["finish_reason"], c["stop_reason"] == stop) for c in ends]})
+    return result
+
+
+def api_text(api, ids):
+    from arctic_rl_core.serving.text import TextCodec
+
+    return TextCodec(api.config.model_path).decode(ids)
+
+
 def truncated(model_dir):
     """With top-p / top-k at temperature 1 the completions' log-probs are the model's (the trainer's), not
     vLLM's renormalised ones; its top alternatives stay vLLM's."""
@@ -397,9 +453,9 @@ def crossing(model_dir, placement="in_process"):
     time.sleep(0.3)
     paused = api.pause_generation()
     loop = api.sampler._loop
-    frozen_at = loop.call(lambda: sum(len(s.token_ids) for _, s in loop._suspended))
+    frozen_at = sum(len(s.token_ids) for s in loop.cut_samples())
     time.sleep(0.5)
-    frozen_after = loop.call(lambda: sum(len(s.token_ids) for _, s in loop._suspended))
+    frozen_after = sum(len(s.token_ids) for s in loop.cut_samples())
     kept_version = api.sync_weights()
     api.resume_generation()
     running.join(300)
@@ -451,5 +507,5 @@ if __name__ == "__main__":
     scenario, model_dir, *rest = sys.argv[1:]
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
               "abort": abort, "truncated": truncated, "cascade": cascade, "continuous": continuous,
-              "serving_batch": serving_batch, "crossing": crossing}[scenario](model_dir, *rest)
+              "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

@@ -52,6 +52,8 @@ class _Call:
 
     results: list[PromptResult]
     future: Future
+    on_tokens: Callable | None = None
+    """Called on the loop's thread with (prompt index, sample index, new token ids, their log-prob dicts)."""
     unfinished: int = 0
     """Samples not finished."""
 
@@ -61,11 +63,17 @@ class _Request:
     """One engine request: a prompt's n samples, or one sample's continuation after a weight update."""
 
     call: _Call
-    result: PromptResult
+    prompt_index: int
     prompt_ids: list[int]
     params: Any
     samples: list[Sample]
     """By vLLM's output index."""
+    sample_indexes: list[int]
+    """Each sample's index among its prompt's n."""
+
+    @property
+    def result(self) -> PromptResult:
+        return self.call.results[self.prompt_index]
 
 
 class EngineLoop:
@@ -79,7 +87,7 @@ class EngineLoop:
         self.version = 0
         """The weight version the engine samples with (tokens are labelled with it as they arrive)."""
         self._holds = 0
-        self._suspended: list[tuple[_Request, Sample]] = []
+        self._suspended: list[tuple[_Request, int]] = []  # cut samples (request, index among its samples)
         self._deferred: list[tuple] = []  # calls submitted while held: added at the release
         built: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, built), name=name, daemon=True)
@@ -96,11 +104,13 @@ class EngineLoop:
         self._put(("call", (fn, args, kwargs), done))
         return done.result()
 
-    def submit(self, prompts: list[dict], params) -> Future:
+    def submit(self, prompts: list[dict], params, on_tokens: Callable | None = None) -> Future:
         """Requests (vLLM token prompts, one `SamplingParams` for all) joining the running batch; the future
-        resolves to a `PromptResult` per prompt once every sample of every prompt has finished or was aborted."""
+        resolves to a `PromptResult` per prompt once every sample of every prompt has finished or was aborted.
+        `on_tokens(prompt index, sample index, token ids, log-probs)` hears of each step's new tokens (on the
+        loop's thread: it must return at once)."""
         done: Future = Future()
-        self._put(("add", (prompts, params), done))
+        self._put(("add", (prompts, params, on_tokens), done))
         return done
 
     def abort_all(self) -> None:
@@ -127,6 +137,11 @@ class EngineLoop:
             yield
         finally:
             self.release(version)
+
+    def cut_samples(self) -> list[Sample]:
+        """The samples a hold cut, waiting to go on (copies, as they stand)."""
+        return self.call(lambda: [Sample(list(r.samples[i].token_ids), versions=list(r.samples[i].versions))
+                                  for r, i in self._suspended])
 
     @property
     def in_flight(self) -> int:
@@ -214,18 +229,19 @@ class EngineLoop:
             self._abort(engine)
             done.set_result(None)
 
-    def _add(self, engine, prompts: list[dict], params, done: Future) -> None:
+    def _add(self, engine, prompts: list[dict], params, on_tokens: Callable | None, done: Future) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         params = params.clone()
         params.output_kind = RequestOutputKind.DELTA
-        call = _Call([PromptResult([Sample() for _ in range(params.n)]) for _ in prompts], done)
+        call = _Call([PromptResult([Sample() for _ in range(params.n)]) for _ in prompts], done, on_tokens)
         requests = {}
         try:
-            for prompt, result in zip(prompts, call.results):
+            for index, (prompt, result) in enumerate(zip(prompts, call.results)):
                 request_id = f"arctic-{next(self._ids)}"
                 engine.add_request(request_id, prompt, params)
-                requests[request_id] = _Request(call, result, list(prompt["prompt_token_ids"]), params, result.samples)
+                requests[request_id] = _Request(call, index, list(prompt["prompt_token_ids"]), params, result.samples,
+                                                list(range(params.n)))
         except Exception as err:  # noqa: BLE001 -- a request vLLM refuses: none of the call's stays in the engine
             engine.abort_request(list(requests))
             done.set_exception(err)
@@ -245,6 +261,9 @@ class EngineLoop:
             sample.versions.extend([self.version] * len(delta.token_ids))
             if delta.logprobs is not None:
                 sample.logprobs.extend(delta.logprobs)
+            if request.call.on_tokens is not None and delta.token_ids:
+                request.call.on_tokens(request.prompt_index, request.sample_indexes[delta.index], list(delta.token_ids),
+                                       delta.logprobs)
             if delta.finish_reason is not None:
                 self._finish(request.call, sample, delta.finish_reason)
         if output.finished:
@@ -261,7 +280,8 @@ class EngineLoop:
     def _abort(self, engine) -> None:
         if self._requests:
             engine.abort_request(list(self._requests))
-        cut = [(r.call, s) for r in self._requests.values() for s in r.samples] + [(r.call, s) for r, s in self._suspended]
+        cut = [(r.call, s) for r in self._requests.values() for s in r.samples]
+        cut += [(r.call, r.samples[i]) for r, i in self._suspended]
         self._requests.clear()
         self._suspended.clear()
         for call, sample in cut:
@@ -276,7 +296,7 @@ class EngineLoop:
             # by vLLM: what a sample keeps is what arrived before the weights change.
             self._engine.abort_request(list(self._requests))
         for request in self._requests.values():
-            self._suspended += [(request, s) for s in request.samples if s.finish_reason is None]
+            self._suspended += [(request, i) for i, s in enumerate(request.samples) if s.finish_reason is None]
         self._requests.clear()
 
     def _release(self, version: int | None) -> None:
@@ -287,14 +307,15 @@ class EngineLoop:
             return
         engine = self._engine
         suspended, self._suspended = self._suspended, []
-        for request, sample in suspended:
-            self._go_on(engine, request, sample)
+        for request, index in suspended:
+            self._go_on(engine, request, index)
         deferred, self._deferred = self._deferred, []
-        for prompts, params, done in deferred:
-            self._add(engine, prompts, params, done)
+        for prompts, params, on_tokens, done in deferred:
+            self._add(engine, prompts, params, on_tokens, done)
 
-    def _go_on(self, engine, request: _Request, sample: Sample) -> None:
+    def _go_on(self, engine, request: _Request, index: int) -> None:
         """A cut sample continues as a request of its own: prompt + what it sampled, the rest of its budget."""
+        sample = request.samples[index]
         params = request.params.clone()
         done_tokens = len(sample.token_ids)
         params.max_tokens = request.params.max_tokens - done_tokens
@@ -310,4 +331,5 @@ class EngineLoop:
             engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids + sample.token_ids}, params)
         except Exception:  # noqa: BLE001 -- it cannot go on: it ends with what it has
             return self._finish(request.call, sample, "abort")
-        self._requests[request_id] = _Request(request.call, request.result, request.prompt_ids, request.params, [sample])
+        self._requests[request_id] = _Request(request.call, request.prompt_index, request.prompt_ids, request.params,
+                                              [sample], [request.sample_indexes[index]])

@@ -16,7 +16,7 @@ import tempfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -160,17 +160,21 @@ class VLLMSampler(Sampler):
         """Prompts the engine is sampling for callers now."""
         return self._loop.in_flight
 
-    def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
+    def generate(self, prompts, sampling: SamplingParams, weight_version: int,
+                 on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Completion]:
+        """`on_tokens(prompt index, sample index, token ids)` hears of each engine step's new tokens (on the
+        engine's thread: it must return at once)."""
         rescored = sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_tokens > 0)
         one_version = rescored or sampling.prompt_logprobs is not None
         with self._one_version.shared() if one_version else nullcontext():
-            completions = self._generate(prompts, sampling, weight_version)
+            completions = self._generate(prompts, sampling, weight_version, on_tokens)
             if rescored:
                 self._untruncated(prompts, completions)
         return completions
 
-    def _generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
-        results = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling)).result()
+    def _generate(self, prompts, sampling: SamplingParams, weight_version: int, on_tokens) -> list[Completion]:
+        heard = None if on_tokens is None else lambda prompt, sample, tokens, _: on_tokens(prompt, sample, tokens)
+        results = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling), heard).result()
         completions = []
         for index, result in enumerate(results):
             for sample in result.samples:

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.serving.coalesce import Coalescer
 from arctic_rl_core.serving.pause import Aborted, PauseGate, PauseMode
 from arctic_rl_core.serving.protocol import (
@@ -35,7 +35,7 @@ from arctic_rl_core.serving.protocol import (
     TokenizeRequest,
     parse_request,
 )
-from arctic_rl_core.serving.text import TextCodec
+from arctic_rl_core.serving.text import StreamedText, TextCodec
 from arctic_rl_core.serving.tool_calls import parse_hermes
 from arctic_rl_core.types import SESSION_ID_CHARS, Completion, GenerateRequest, SamplingParams
 
@@ -68,7 +68,15 @@ class Sampled:
 
 
 def _spans(c: Completion) -> list[dict]:
-    return [{"version": str(c.weight_version), "start": 0, "end": len(c.token_ids)}]
+    """vLLM's weight-version spans: which version sampled tokens [start, end) (several where a sync crossed it)."""
+    versions = c.token_versions or [c.weight_version] * len(c.token_ids)
+    spans = []
+    for i, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(version), "start": i, "end": i + 1})
+    return spans or [{"version": str(c.weight_version), "start": 0, "end": 0}]
 
 
 @dataclass
@@ -94,15 +102,16 @@ class Serving:
             self._codec = (api, TextCodec(api.config.model_path))
         return self._codec[1]
 
-    def generate(self, api, executor, prompts: list[list[int]], sampling: SamplingParams) -> Awaitable[list[Completion]]:
+    def generate(self, api, executor, prompts: list[list[int]], sampling: SamplingParams,
+                 on_tokens: Callable | None = None) -> Awaitable[list[Completion]]:
         """A sampler that batches continuously (vLLM's engine) takes each request as its own call, at once: it joins
-        the running batch. Others take the calls the coalescer gathers."""
+        the running batch (and tells `on_tokens` of each step's tokens). Others take the calls the coalescer gathers."""
         if not api.sampler.continuous_batching:
             return self.coalescer(api, executor).generate(prompts, sampling)
         if self._callers is None:
             self._callers = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="arctic-sample")
         self._direct_calls += 1
-        return asyncio.wrap_future(self._callers.submit(api.generate, prompts, sampling))
+        return asyncio.wrap_future(self._callers.submit(api.generate, prompts, sampling, None, on_tokens))
 
     def coalescer(self, api, executor) -> Coalescer:
         """The job's sampler takes concurrent requests as one call; a pool of replicas takes several calls."""
@@ -149,16 +158,22 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             raise InvalidRequest("max_tokens", f"the prompt fills the model's context ({api.sampler.max_context} tokens)")
         return min(room, limits.max_tokens)
 
-    async def sample(api, route: str, prompts: list[list[int]], sampling: SamplingParams, session: str | None,
-                     fields: Callable[[str], str]) -> Sampled:
-        """Generate on the job's sampler (one pool, one weight version with `generate`); capture if asked.
-        Errors name the route's own fields."""
+    def check(api, prompts: list[list[int]], sampling: SamplingParams, fields: Callable[[str], str]) -> None:
+        """A bad request is refused on its own (never joining, and failing, a batch), naming the route's fields."""
         try:
             limits.check("generate", GenerateRequest(prompts=prompts, sampling=sampling))
-            # Checked alone first: a bad request is refused on its own and never joins (and fails) a batch.
             api.checked_generate(prompts, sampling)
+        except InvalidRequest as err:
+            raise type(err)(fields(err.field), err.message) from None
+
+    async def sample(api, route: str, prompts: list[list[int]], sampling: SamplingParams, session: str | None,
+                     fields: Callable[[str], str], on_tokens: Callable | None = None) -> Sampled:
+        """Generate on the job's sampler (one pool, one weight version with `generate`); capture if asked.
+        Errors name the route's own fields. `on_tokens`: as `generate`'s, on a continuously batched sampler."""
+        check(api, prompts, sampling, fields)
+        try:
             async with serving.gate.admitted() as abort:
-                work = asyncio.ensure_future(serving.generate(api, job.reads, prompts, sampling))
+                work = asyncio.ensure_future(serving.generate(api, job.reads, prompts, sampling, on_tokens))
                 try:
                     completions = await serving.gate.run(abort, work)
                 except Aborted:
@@ -177,6 +192,48 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         req = parse_request(schema, await read_json(request))
         api = api_of()
         return req, api, check_model(api, req.model)
+
+    def streams(req, api) -> bool:
+        """Whether the request's text is sent as the engine samples it (`stream` on a continuously batched
+        sampler; log-probs and tool calls, read off the whole reply, come whole at the end)."""
+        return (bool(req.stream) and api.sampler.continuous_batching and req.logprobs in (None, False)
+                and req.prompt_logprobs is None)
+
+    def stream_as_sampled(api, route: str, prompts: list[list[int]], sampling: SamplingParams, session: str | None,
+                          fields: Callable[[str], str], texts: Callable[[int], StreamedText],
+                          first: list[dict], piece: Callable[[int, str, list[int]], dict],
+                          last: Callable[[Sampled, dict[int, StreamedText]], list[dict]], usage_head: dict | None):
+        """Server-sent events while the engine samples: `first`, then `piece(choice, text, token ids)` as each
+        choice's tokens arrive (text that may be shown: `texts(choice)`), then `last(sampled, texts)`, usage with
+        `usage_head`. The request is checked before the response starts: a bad one is an HTTP error."""
+        check(api, prompts, sampling, fields)
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        def on_tokens(prompt: int, sample: int, token_ids: list[int]) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(pieces.put_nowait, (prompt * sampling.n + sample, token_ids))
+
+        work = asyncio.ensure_future(sample(api, route, prompts, sampling, session, fields, on_tokens))
+        work.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))  # after every piece
+
+        async def events():
+            text_of: dict[int, StreamedText] = {}
+            for event in first:
+                yield f"data: {json.dumps(event)}\n\n"
+            while (item := await pieces.get()) is not None:
+                choice, token_ids = item
+                text = text_of.setdefault(choice, texts(choice)).add(token_ids)
+                yield f"data: {json.dumps(piece(choice, text, token_ids))}\n\n"
+            try:
+                sampled = work.result()
+            except ArcticRLError as err:  # the stream has begun: the error is its last event
+                yield f"data: {json.dumps({'error': {'message': str(err), 'type': type(err).__name__}})}\n\n"
+                return
+            for event in last(sampled, text_of) + ([{**usage_head, "choices": [], "usage": sampled.usage}]
+                                                   if usage_head else []):
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     def respond(req, payload: dict, chunks: Callable[[dict], list[dict]], head: dict):
         """JSON, or with `stream` server-sent events: `chunks`, then usage if asked (in a chunk with `head`)."""
@@ -219,29 +276,45 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             raise InvalidRequest("prompt", "must hold at least one prompt")
         prompts = [p if isinstance(p, list) else codec.encode(p, req.add_special_tokens, "prompt") for p in prompt]
         many = len(prompts) > 1
-        sampled = await sample(api, "completions", prompts, req.sampling(req.max_tokens or 16, req.logprobs or 0),
-                               session_of(request, req.session_id),
-                               lambda f: _renamed(f, "prompt", many))
-        choices = []
-        for index, c in sampled.choices():
-            prompt_ids = prompts[index // req.n]
-            if c is None:
-                choices.append({"index": index, "text": "", "logprobs": None, "finish_reason": "abort", "stop_reason": None,
-                                "token_ids": [] if req.return_token_ids else None})
-                continue
-            text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [], req.include_stop_str_in_output,
-                                                    req.skip_special_tokens)
-            choices.append({
-                "index": index, "text": text, "finish_reason": c.finish_reason, "stop_reason": stop_reason,
-                "logprobs": _completion_logprobs(codec, c, req.return_tokens_as_token_ids) if req.logprobs is not None else None,
-                "token_ids": c.token_ids if req.return_token_ids else None,
-                "prompt_token_ids": prompt_ids if req.return_token_ids else None,
-                "prompt_logprobs": _prompt_logprobs(codec, c, prompt_ids),
-                "weight_versions": _spans(c)})
-        payload = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                   "model": model, "choices": choices, "usage": sampled.usage}
+        sampling = req.sampling(req.max_tokens or 16, req.logprobs or 0)
+        session, fields = session_of(request, req.session_id), lambda f: _renamed(f, "prompt", many)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
 
-        head = {k: payload[k] for k in ("id", "object", "created", "model")}
+        def choices_of(sampled: Sampled) -> list[dict]:
+            choices = []
+            for index, c in sampled.choices():
+                prompt_ids = prompts[index // req.n]
+                if c is None:
+                    choices.append({"index": index, "text": "", "logprobs": None, "finish_reason": "abort",
+                                    "stop_reason": None, "token_ids": [] if req.return_token_ids else None})
+                    continue
+                text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [],
+                                                        req.include_stop_str_in_output, req.skip_special_tokens)
+                choices.append({
+                    "index": index, "text": text, "finish_reason": c.finish_reason, "stop_reason": stop_reason,
+                    "logprobs": _completion_logprobs(codec, c, req.return_tokens_as_token_ids) if req.logprobs is not None else None,
+                    "token_ids": c.token_ids if req.return_token_ids else None,
+                    "prompt_token_ids": prompt_ids if req.return_token_ids else None,
+                    "prompt_logprobs": _prompt_logprobs(codec, c, prompt_ids),
+                    "weight_versions": _spans(c)})
+            return choices
+
+        usage_head = head if req.stream_options and req.stream_options.include_usage else None
+        if streams(req, api):
+            def piece(index: int, text: str, token_ids: list[int]) -> dict:
+                return {**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None,
+                                             "stop_reason": None, **({"token_ids": token_ids} if req.return_token_ids else {})}]}
+
+            def last(sampled: Sampled, sent: dict[int, StreamedText]) -> list[dict]:
+                return [{**head, "choices": [{**choice, "token_ids": None,
+                                              "text": sent[choice["index"]].rest(choice["text"])
+                                              if choice["index"] in sent else choice["text"]}]}
+                        for choice in choices_of(sampled)]
+            return stream_as_sampled(api, "completions", prompts, sampling, session, fields,
+                                     lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens),
+                                     [], piece, last, usage_head)
+        sampled = await sample(api, "completions", prompts, sampling, session, fields)
+        payload = {**head, "choices": choices_of(sampled), "usage": sampled.usage}
         return respond(req, payload, lambda p: [{**head, "choices": [choice]} for choice in p["choices"]], head)
 
     # -- OpenAI chat completions -------------------------------------------------------------------
@@ -256,54 +329,80 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         sampling = req.sampling(max_tokens(api, req.max_completion_tokens or req.max_tokens, [prompt_ids]),
                                 req.top_logprobs or 0)
-        sampled = await sample(api, "chat", [prompt_ids], sampling, session_of(request, req.session_id),
-                               lambda f: _renamed(f, "messages", False))
+        session, fields = session_of(request, req.session_id), lambda f: _renamed(f, "messages", False)
         parse_tools = serving.tool_call_parser is not None and bool(req.tools) and req.tool_choice != "none"
-        choices = []
-        for index, c in sampled.choices():
-            if c is None:
-                choices.append({"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": "abort", "stop_reason": None,
-                                "token_ids": [] if req.return_token_ids else None})
-                continue
-            # A tool-call parser reads the markup special tokens may carry; the content is shown without them.
-            text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [], req.include_stop_str_in_output,
-                                                    req.skip_special_tokens and not parse_tools)
-            calls = []
-            if parse_tools:
-                text, calls = parse_hermes(text)
-                text = codec.without_special_tokens(text) if req.skip_special_tokens else text
-            message = {"role": "assistant", "content": text or (None if calls else ""),
-                       **({"tool_calls": calls} if calls else {})}
-            choices.append({
-                "index": index, "message": message,
-                "logprobs": {"content": _chat_logprobs(codec, c, req.return_tokens_as_token_ids)} if req.logprobs else None,
-                "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": stop_reason,
-                "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c)})
+        created = int(time.time())
+        ident = f"chatcmpl-{uuid.uuid4().hex}"
+        head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model}
+
+        def choices_of(sampled: Sampled) -> list[dict]:
+            choices = []
+            for index, c in sampled.choices():
+                if c is None:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": "abort", "stop_reason": None,
+                                    "token_ids": [] if req.return_token_ids else None})
+                    continue
+                # A tool-call parser reads the markup special tokens may carry; the content is shown without them.
+                text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [],
+                                                        req.include_stop_str_in_output,
+                                                        req.skip_special_tokens and not parse_tools)
+                calls = []
+                if parse_tools:
+                    text, calls = parse_hermes(text)
+                    text = codec.without_special_tokens(text) if req.skip_special_tokens else text
+                message = {"role": "assistant", "content": text or (None if calls else ""),
+                           **({"tool_calls": calls} if calls else {})}
+                choices.append({
+                    "index": index, "message": message,
+                    "logprobs": {"content": _chat_logprobs(codec, c, req.return_tokens_as_token_ids)} if req.logprobs else None,
+                    "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": stop_reason,
+                    "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c)})
+            return choices
+
+        def role(index: int) -> dict:
+            return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]}
+
+        def ending(choice: dict, content: str | None, token_ids) -> list[dict]:
+            i = choice["index"]
+            delta = {"content": content}
+            if "tool_calls" in choice["message"]:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(choice["message"]["tool_calls"])]
+            return [{**head, "choices": [{"index": i, "delta": delta, "logprobs": choice["logprobs"],
+                                          "finish_reason": None, "token_ids": token_ids}]},
+                    {**head, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
+                                          "stop_reason": choice["stop_reason"],
+                                          "weight_versions": choice.get("weight_versions")}]}]
+
+        usage_head = head if req.stream_options and req.stream_options.include_usage else None
+        if streams(req, api) and not parse_tools:
+            first = [role(i) for i in range(sampling.n)]
+            if req.return_token_ids:
+                first[0]["prompt_token_ids"] = prompt_ids
+
+            def piece(index: int, text: str, token_ids: list[int]) -> dict:
+                return {**head, "choices": [{"index": index, "delta": {"content": text}, "logprobs": None,
+                                             "finish_reason": None,
+                                             **({"token_ids": token_ids} if req.return_token_ids else {})}]}
+
+            def last(sampled: Sampled, sent: dict[int, StreamedText]) -> list[dict]:
+                return [event for choice in choices_of(sampled) for event in ending(
+                    choice, sent[choice["index"]].rest(choice["message"]["content"] or "") if choice["index"] in sent
+                    else choice["message"]["content"], None)]
+            return stream_as_sampled(api, "chat", [prompt_ids], sampling, session, fields,
+                                     lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens),
+                                     first, piece, last, usage_head)
+        sampled = await sample(api, "chat", [prompt_ids], sampling, session, fields)
         first = sampled.completions[0] if sampled.completions else None
-        payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                   "model": model, "choices": choices, "usage": sampled.usage,
+        payload = {"id": ident, "object": "chat.completion", "created": created,
+                   "model": model, "choices": choices_of(sampled), "usage": sampled.usage,
                    "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                    "prompt_logprobs": _prompt_logprobs(codec, first, prompt_ids) if first else None}
 
-        head = {"id": payload["id"], "object": "chat.completion.chunk", "created": payload["created"], "model": model}
-
         def chunks(p):
-            out = []
-            for choice in p["choices"]:
-                i = choice["index"]
-                out.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]})
-                delta = {"content": choice["message"]["content"]}
-                if "tool_calls" in choice["message"]:
-                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(choice["message"]["tool_calls"])]
-                out.append({**head, "choices": [{"index": i, "delta": delta,
-                                                 "logprobs": choice["logprobs"], "finish_reason": None,
-                                                 "token_ids": choice["token_ids"]}]})
-                out.append({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                 "finish_reason": choice["finish_reason"],
-                                                 "stop_reason": choice["stop_reason"],
-                                                 "weight_versions": choice.get("weight_versions")}]})
+            out = [event for choice in p["choices"]
+                   for event in [role(choice["index"])] + ending(choice, choice["message"]["content"], choice["token_ids"])]
             if p["prompt_token_ids"] is not None:
                 out[0]["prompt_token_ids"] = p["prompt_token_ids"]
             return out

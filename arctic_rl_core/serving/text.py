@@ -81,3 +81,27 @@ class TextCodec:
             return text, None
         at, stop = min(hits)
         return (text[: at + len(stop)] if include_stop else text[:at]), stop
+
+
+class StreamedText:
+    """One choice's text as its tokens arrive: each `add` gives what may be sent now, never a stop string or the
+    start of one, nor half a character; `rest` gives what the finished text adds to what was sent."""
+
+    def __init__(self, codec: TextCodec, stops: list[str], skip_special_tokens: bool):
+        self.codec, self.stops, self.skip = codec, [s for s in stops if s], skip_special_tokens
+        self.hold_back = max(map(len, self.stops), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def add(self, token_ids: list[int]) -> str:
+        self.ids += token_ids
+        text = self.codec.decode(self.ids, self.skip).rstrip("\ufffd")  # a character whose bytes are still to come
+        hits = [text.find(s) for s in self.stops if s in text]
+        text = text[:min(hits)] if hits else text[:len(text) - self.hold_back]
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent):], text
+        return delta
+
+    def rest(self, finished: str) -> str:
+        return finished[len(self.sent):] if finished.startswith(self.sent) else ""

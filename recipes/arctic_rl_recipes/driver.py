@@ -179,6 +179,9 @@ class RecipeRun:
             client = ArcticRLClient(b.url, token=b.token or os.environ.get("ARCTIC_RL_TOKEN"))
             client.initialize(self.backend_config())  # refuses if the server runs a different job
             self.api = client
+        described = self.api.describe() if b.url is None else self.api.status()["backend"]
+        self.syncs_cross_rollouts = described["crosses_syncs"]
+        """The sampler takes new weights while a rollout is in flight (its tokens then carry two versions)."""
         self.rewards = RewardPool(self.task.reward_fn, workers=self.config.reward.workers,
                                   timeout_s=self.config.reward.timeout_s)
         return self.api
@@ -232,8 +235,9 @@ class RecipeRun:
     def grpo_step(self, step: int, batch: RolloutBatch, timer: PhaseTimer, rollouts: RolloutPipeline, *,
                   train_all: bool = False) -> dict:
         """Score one step's rollouts, compute group advantages and train on them, then sync the weights
-        (`train_all`: every sample, even of groups with one reward, so timed steps do equal work). The sync waits
-        for the rollout `rollouts` has in flight (pipelined): timed as its own phase, `rollout_wait`."""
+        (`train_all`: every sample, even of groups with one reward, so timed steps do equal work). Where the sampler
+        cannot take weights under a rollout in flight (pipelined), the sync waits for it: timed as its own phase,
+        `rollout_wait`; vLLM's takes them between two engine steps and the rollout goes on under them."""
         g = self.config.grpo
         indices = self.prompt_indices(step)
         completions = batch.completions
@@ -264,8 +268,9 @@ class RecipeRun:
                 result = self.api.fwd_bwd(sequences, g.loss)
             with timer("step"):
                 stepped = self.api.step(g.learning_rate)
-            with timer("rollout_wait"):
-                rollouts.wait_for_oldest()
+            if not self.syncs_cross_rollouts:
+                with timer("rollout_wait"):
+                    rollouts.wait_for_oldest()
             with timer("sync"):
                 self.api.sync_weights()
             metrics = {"loss": result.loss, "grad_norm": stepped.grad_norm,
