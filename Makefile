@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test scenarios test-portable compat bench-verl clean
+.PHONY: install demo test scenarios test-portable compat compat-dependencies bench-verl clean
 
 install: $(STAMP)
 
@@ -24,9 +24,12 @@ demo: install
 test: install
 	$(VENV)/bin/python -m pytest -q -m "not scenario"
 
-# Multi-process, Ray and framework scenarios: slower, kept out of `make test`; CI runs them too.
+# Multi-process, Ray and framework scenarios: slower, kept out of `make test`; CI runs them too. Each spends most
+# of its time starting processes on one core: two workers share them, the Ray ones on one worker (their
+# `xdist_group`) so one Ray cluster runs at a time (SCENARIO_WORKERS=0: one process, in order).
+SCENARIO_WORKERS ?= 2
 scenarios: install
-	$(VENV)/bin/python -m pytest -q -m scenario
+	$(VENV)/bin/python -m pytest -q -m scenario $(if $(filter 0,$(SCENARIO_WORKERS)),,-n $(SCENARIO_WORKERS) --dist loadgroup)
 
 # `make test` and `make scenarios` where the arithmetic differs, as on other CPUs: PyTorch's AVX2 kernels, its
 # kernels without vector extensions, and one thread. Not part of CI (it would triple its time): run before landing
@@ -46,6 +49,13 @@ compat: install
 	compat_tests/verl/run.sh
 	compat_tests/primerl/run.sh
 	compat_tests/skyrl/run.sh
+
+# The frameworks' own environments alone (downloads and unpacking, nothing of Arctic RL's): CI builds them
+# beside `make test` and `make scenarios`; `make compat` builds any that is missing.
+compat-dependencies:
+	compat_tests/verl/dependencies.sh
+	compat_tests/primerl/dependencies.sh
+	compat_tests/skyrl/dependencies.sh
 
 # verl's phases through Arctic RL beside the backend's own calls (docs/benchmarks.md); not part of CI.
 bench-verl: install

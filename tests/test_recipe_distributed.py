@@ -7,7 +7,8 @@ import pytest
 
 from test_recipe_run import rows, train
 
-pytestmark = pytest.mark.scenario
+# One Ray cluster at a time: `make scenarios` keeps the files that start one on the same worker.
+pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("ray")]
 
 DISTRIBUTED = ["backend.engine.ranks=2", "backend.sampler.replicas=2", "backend.placement=colocated",
                "backend.ray.num_cpus=2", "sft.steps=5", "checkpoint.every=3"]

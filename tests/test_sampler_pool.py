@@ -16,7 +16,8 @@ from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.server.app import ServerSettings
 from arctic_rl_core.server.run import ServerThread
 
-pytestmark = pytest.mark.scenario
+# One Ray cluster at a time: `make scenarios` keeps the files that start one on the same worker.
+pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("ray")]
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [5, 6, 7, 8, 9], [20, 21, 22, 23], [5, 6, 7, 8, 9], [30, 31]]
 """Prompt 0 three times (a GRPO group sent as copies), three other prompts."""

@@ -16,7 +16,8 @@ from arctic_rl_core.engines.trainer_group import TrainerRankFailed
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.types import Sequence
 
-pytestmark = pytest.mark.scenario
+# One Ray cluster at a time: `make scenarios` keeps the files that start one on the same worker.
+pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("ray")]
 
 RTOL = 1e-5
 

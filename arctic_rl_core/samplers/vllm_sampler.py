@@ -137,6 +137,8 @@ class VLLMSampler(Sampler):
             max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, ignore_eos=sampling.ignore_eos,
             stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
             seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
+            # Callers get token ids (the serving routes decode them): vLLM writes text only to find stop strings.
+            detokenize=bool(sampling.stop),
         )
 
     def abort_generation(self) -> bool:
@@ -210,7 +212,7 @@ class VLLMSampler(Sampler):
     def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         from vllm import SamplingParams as VLLMParams
 
-        params = VLLMParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        params = VLLMParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         with self._one_version.shared():
             outputs = self._loop.submit([{"prompt_token_ids": p + r} for p, r in sequences], params).result()
         scores = []

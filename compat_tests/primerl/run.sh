@@ -4,16 +4,8 @@
 # server they start runs in the main environment (.venv, `make install`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.cache/compat-primerl-venv
-STAMP=$VENV/.installed-verifiers-0.4.0-renderers-0.1.12
-if [ ! -f "$STAMP" ]; then
-  rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade "pip==24.3.1"
-  "$VENV/bin/python" -m pip install --quiet "verifiers==0.4.0" "renderers==0.1.12" "pytest==9.2.0"
-  touch "$STAMP"
-fi
+compat_tests/primerl/dependencies.sh
 # As a user installs it into PrimeRL's environment: Arctic RL's thin client (the base package, no extras).
 "$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps .
 "$VENV/bin/python" -m pip install --quiet .

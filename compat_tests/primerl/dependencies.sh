@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# PrimeRL's rollout side's own virtual environment: verifiers 0.4.0 and renderers 0.1.12,
+# built once (a stamp marks it done): downloads and unpacking, nothing of Arctic RL's. Run from the repository
+# root, by run.sh and by `make compat-dependencies` (which CI runs beside the test suites).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=.cache/compat-primerl-venv
+STAMP=$VENV/.installed-verifiers-0.4.0-renderers-0.1.12
+if [ ! -f "$STAMP" ]; then
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade "pip==24.3.1"
+  "$VENV/bin/python" -m pip install --quiet "verifiers==0.4.0" "renderers==0.1.12" "pytest==9.2.0"
+  touch "$STAMP"
+fi
