@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: install
 	$(VENV)/bin/arctic-rl demo
 
+# Two workers, a test file each at a time (a file's fixtures are built once); TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: install
-	$(VENV)/bin/python -m pytest -q -m "not scenario"
+	$(VENV)/bin/python -m pytest -q -m "not scenario" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Multi-process, Ray and framework scenarios: slower, kept out of `make test`; CI runs them too. Each spends most
 # of its time starting processes on one core: two workers share them, the Ray ones on one worker (their

@@ -219,8 +219,17 @@ def test_serve_command_line(tiny_model, tmp_path):
     proc = subprocess.Popen([cli, "serve", "--port", str(port), "--config", str(config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        client = ArcticRLClient(f"http://127.0.0.1:{port}", retries=8, backoff_s=0.25)
-        assert client.status()["config"]["engine"]["zero_stage"] == 1
+        client = ArcticRLClient(f"http://127.0.0.1:{port}", retries=0)
+        # Up when it answers: however long this machine takes to load the job, as long as the process lives.
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                status = client.status()
+                break
+            except BackendUnavailable:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no answer"
+                time.sleep(0.5)
+        assert status["config"]["engine"]["zero_stage"] == 1
         assert len(client.generate([[5, 6]], {"max_tokens": 3})) == 1
         client.shutdown()
         assert proc.wait(timeout=30) == 0

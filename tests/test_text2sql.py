@@ -87,10 +87,10 @@ def test_reward_pool_scores_in_worker_processes_with_a_hard_time_limit(bird):
     args = {"db_path": db, "gold_sql": "SELECT COUNT(*) FROM customers", "timeout_s": 0.5, "max_rows": 100}
     pool = RewardPool(execution_reward, workers=2, timeout_s=5.0)
     try:
-        t0 = time.perf_counter()
         batch = pool.score(["SELECT COUNT(*) FROM customers;", RUNAWAY_CTE, "SELECT nonsense", "ATTACH 'x' AS y"], [args] * 4)
         assert [s.reward for s in batch.scores] == [1.0, 0.0, 0.0, 0.0]
-        assert time.perf_counter() - t0 < 4.0
+        # The runaway query ended at the reward's own 0.5 s limit, not the pool's 5 s one (no wall clock: a busy
+        # machine starts the workers late, and that is not what is tested).
         assert batch.timeouts == 0 and batch.errors == 0
     finally:
         pool.close()

@@ -8,7 +8,7 @@ from typing import Any
 
 PHASES = ("generate", "reward", "log_probs", "fwd_bwd", "step", "rollout_wait", "sync")
 """Seconds of a GRPO step, in the order they run. `generate`: waiting for this step's rollouts; `rollout_wait`
-(pipelined): waiting, before the weight sync, for the next step's rollout in flight to release the sampler."""
+(pipelined, on a sampler that cannot take weights under a rollout in flight): waiting for it before the sync."""
 
 
 class MetricsLog:
