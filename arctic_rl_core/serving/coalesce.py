@@ -2,10 +2,12 @@
 
 Agent harnesses send one request per conversation turn, many at once. Sent one by one, each is its own
 engine call and a single sampler runs them one after another. Here requests with the same sampling
-parameters join a batch; the batch goes to the sampler once no request joined it for `idle_s`, or it
-waited `max_wait_s`, and only while fewer than `max_in_flight` calls are running (the sampler is busy:
-keep gathering). If a batched call is refused, each of its requests is retried on its own, so a bad
-request gets its own error and the others their completions.
+parameters join a batch; the batch closes once no request joined it for `idle_s`, or it waited
+`max_wait_s`, and goes to the sampler when fewer than `max_in_flight` calls are running. While the sampler
+is busy, batches of the same parameters wait and go as one call when it frees (up to `max_prompts`):
+requests that trickle in during a long call are one call after it, not one call each. If a batched call is refused,
+each of its requests is retried on its own, so a bad request gets its own error and the others their
+completions.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.types import Completion, SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # a batch is itself: found by identity in the queues
 class _Batch:
+    key: str
     sampling: SamplingParams
     started: float
     requests: list[tuple[list[list[int]], asyncio.Future]] = field(default_factory=list)
@@ -46,7 +49,7 @@ class Coalescer:
         if batch is None or batch.prompts + len(prompts) > self.max_prompts:
             if batch is not None:
                 self._close(batch)
-            batch = self._open[key] = _Batch(sampling, time.monotonic())
+            batch = self._open[key] = _Batch(key, sampling, time.monotonic())
         done = loop.create_future()
         batch.requests.append((prompts, done))
         batch.prompts += len(prompts)
@@ -61,15 +64,29 @@ class Coalescer:
         """No more requests join `batch`; it goes to the sampler when a call is free."""
         if batch.timer is not None:
             batch.timer.cancel()
-        if self._open.get(batch.sampling.model_dump_json()) is batch:
-            del self._open[batch.sampling.model_dump_json()]
+        if self._open.get(batch.key) is batch:
+            del self._open[batch.key]
         self._ready.append(batch)
         self._dispatch()
 
     def _dispatch(self) -> None:
         while self._ready and self._in_flight < self.max_in_flight:
+            batch = self._ready.pop(0)
+            waiting = [b for b in self._ready if b.key == batch.key]
+            if batch.key in self._open:  # the sampler is free now: no reason to wait out its timer
+                waiting.append(self._open[batch.key])
+            for other in waiting:
+                if batch.prompts + other.prompts > self.max_prompts:
+                    break
+                if other in self._ready:
+                    self._ready.remove(other)
+                else:
+                    other.timer.cancel()
+                    del self._open[batch.key]
+                batch.requests += other.requests
+                batch.prompts += other.prompts
             self._in_flight += 1
-            asyncio.get_running_loop().create_task(self._run(self._ready.pop(0)))
+            asyncio.get_running_loop().create_task(self._run(batch))
 
     async def _run(self, batch: _Batch) -> None:
         try:
