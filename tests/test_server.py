@@ -196,7 +196,8 @@ def test_connection_loss_is_a_clear_error():
 
 
 def test_calls_before_initialize_and_initialize_over_http(tiny_model):
-    with ServerThread(ServerSettings(port=free_loopback_port())) as url:
+    settings = ServerSettings(port=free_loopback_port())
+    with ServerThread(settings) as url:
         client = ArcticRLClient(url, retries=0)
         assert client.status()["initialized"] is False
         response = httpx.post(f"{url}/v1/step", json={})
@@ -208,6 +209,8 @@ def test_calls_before_initialize_and_initialize_over_http(tiny_model):
         other = httpx.post(f"{url}/v1/initialize", json={"model_path": tiny_model, "engine": {"zero_stage": 1},
                                                          "sampler": LIGHT_SAMPLER})
         assert other.status_code == 409 and other.json()["error"]["type"] == "JobConflict"
+        assert settings.temporary_checkpoint_dir and os.path.isdir(settings.checkpoint_dir)
+    assert not os.path.exists(settings.checkpoint_dir)  # nothing saved: the temporary directory is gone
 
 
 def test_serve_command_line(tiny_model, tmp_path):

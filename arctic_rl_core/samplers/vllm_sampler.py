@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
+import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -109,6 +111,8 @@ class VLLMSampler(Sampler):
         self._paused = False
         self.llm = self._loop.llm  # used on the loop's thread only (`self._loop.call`)
         self._sync_dir = sc.sync_dir or tempfile.mkdtemp(prefix="arctic-rl-sync-")
+        # A directory of our own goes when the sampler is closed, or at the latest when this process exits.
+        self._remove_sync_dir = weakref.finalize(self, shutil.rmtree, self._sync_dir, True) if sc.sync_dir is None else None
         self._group = None
         # The worker's side of a broadcast is an RPC that must run while this thread broadcasts.
         self._rpc = ThreadPoolExecutor(1, thread_name_prefix="arctic-rl-vllm-rpc")
@@ -355,3 +359,5 @@ class VLLMSampler(Sampler):
 
     def close(self) -> None:
         self._loop.close()
+        if self._remove_sync_dir is not None:
+            self._remove_sync_dir()

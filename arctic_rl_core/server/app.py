@@ -62,9 +62,13 @@ class ServerSettings:
     tool_call_parser: str | None = None
     """`hermes`: chat replies' tool-call blocks are returned as `tool_calls` (vLLM's --tool-call-parser)."""
 
+    temporary_checkpoint_dir: bool = field(default=False, init=False, repr=False)
+    """No directory was given: checkpoints go to a fresh temporary one, removed at shutdown if still empty."""
+
     def checkpoint_root(self) -> str:
         if self.checkpoint_dir is None:
             self.checkpoint_dir = tempfile.mkdtemp(prefix="arctic-rl-checkpoints-")
+            self.temporary_checkpoint_dir = True
         root = os.path.realpath(self.checkpoint_dir)
         os.makedirs(root, exist_ok=True)
         return root
@@ -198,7 +202,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
 
     def read(request: Request) -> Body:
         return Body(request, settings.max_request_bytes, job.buffers, settings.body_timeout_s)
-    app.state.job = job
+    app.state.job, app.state.settings = job, settings
     app.add_middleware(GuardMiddleware, token=settings.token, max_request_bytes=settings.max_request_bytes)
 
     @app.exception_handler(InvalidRequest)

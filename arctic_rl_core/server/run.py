@@ -34,10 +34,17 @@ def build_server(settings: ServerSettings, config: BackendConfig | None = None, 
 
 
 def close_job(server: uvicorn.Server) -> None:
-    """Stop what the server's job started outside this process (Ray actors of ranks and replicas)."""
+    """Stop what the server's job started outside this process (Ray actors of ranks and replicas), and remove the
+    temporary checkpoint directory if nothing was saved there."""
     close = getattr(server.config.app.state.job.api, "close", None)
     if close is not None:
         close()
+    settings = server.config.app.state.settings
+    if settings.temporary_checkpoint_dir:
+        try:
+            os.rmdir(settings.checkpoint_dir)
+        except OSError:  # checkpoints were saved there: they stay
+            pass
 
 
 class ServerThread:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -196,10 +197,10 @@ async def _round(url: str, names: list[str]) -> dict:
         return {name: await WORKLOADS[name](http) for name in names}
 
 
-def run(rounds: int, names: list[str], placement: str) -> dict:
+def _measure(work: str, rounds: int, names: list[str], placement: str) -> dict[str, list[dict]]:
+    """Both servers on one tiny model under `work`, rounds alternated so both see the same machine."""
     from arctic_rl_core.models.tiny import make_tiny_model
 
-    work = tempfile.mkdtemp(prefix="arctic-rl-bench-vs-vllm-")
     model = make_tiny_model("qwen3", os.path.join(work, "model"), layers=4, hidden=384, heads=6, kv_heads=2,
                             max_positions=MAX_MODEL_LEN)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -209,9 +210,16 @@ def run(rounds: int, names: list[str], placement: str) -> dict:
                  os.path.join(work, "arctic.log")) as ours, \
             _server(_vllm_command(model, vllm_port), env, f"http://127.0.0.1:{vllm_port}",
                     os.path.join(work, "vllm.log")) as theirs:
-        for r in range(rounds):  # alternated: both see the same machine
+        for r in range(rounds):
             for side, url in (("arctic", ours), ("vllm", theirs)) if r % 2 == 0 else (("vllm", theirs), ("arctic", ours)):
                 runs[side].append(asyncio.run(_round(url, names)))
+    return runs
+
+
+def run(rounds: int, names: list[str], placement: str) -> dict:
+    work = tempfile.mkdtemp(prefix="arctic-rl-bench-vs-vllm-")
+    runs = _measure(work, rounds, names, placement)
+    shutil.rmtree(work)  # kept (the servers' logs) only when a run failed
     result = {"benchmark": "serve --vs-vllm", "rounds": rounds, "placement": placement, "workloads": {}}
     for name in names:
         row = {}
