@@ -12,12 +12,22 @@ from arctic_rl_core.types import SamplingParams, Sequence
 
 
 class Recorder:
-    """Wraps a TrainingAPI and records when each call started and ended."""
+    """Wraps a TrainingAPI and records when each call started and ended.
 
-    def __init__(self, api):
+    With `await_overlap`, the n-th `fwd_bwd` (n from 0) first waits until generation n + 1 (the next step's
+    rollout) has started, and records whether it did within the deadline (`overlapped`): generation that
+    overlaps training has started by then; generation that only starts after training never does."""
+
+    OVERLAP_DEADLINE_S = 30.0  # only bounds a hang: the next step's generation is already submitted
+
+    def __init__(self, api, await_overlap=False):
         self.api = api
         self.events = []
         self.lock = threading.Lock()
+        self.generation_started = threading.Condition(self.lock)
+        self.generates_started = 0
+        self.await_overlap = await_overlap
+        self.overlapped = []
         self.futures = type(api).futures.func(self)  # futures over this wrapper
 
     def _timed(self, name, fn, *args, **kwargs):
@@ -28,9 +38,18 @@ class Recorder:
         return result
 
     def generate(self, *args, **kwargs):
+        with self.lock:
+            self.generates_started += 1
+            self.generation_started.notify_all()
         return self._timed("generate", self.api.generate, *args, **kwargs)
 
     def fwd_bwd(self, *args, **kwargs):
+        if self.await_overlap:
+            with self.lock:
+                wanted = len(self.overlapped) + 2  # this step's generation and the next one's
+                deadline = self.OVERLAP_DEADLINE_S if all(self.overlapped) else 0  # one hang is enough to fail
+                self.overlapped.append(
+                    self.generation_started.wait_for(lambda: self.generates_started >= wanted, deadline))
         return self._timed("fwd_bwd", self.api.fwd_bwd, *args, **kwargs)
 
     def __getattr__(self, name):
@@ -51,6 +70,8 @@ def train_steps(api, pipeline, steps, extra_syncs=0):
             api.step()
         if extra_syncs:
             pipeline.wait_for_pending()  # the pre-started generation used the old weights, deterministically
+        else:
+            pipeline.wait_for_oldest()  # as the recipe driver does: the rollout in flight samples the old weights
         for _ in range(1 + extra_syncs):
             api.sync_weights()
     pipeline.close()
@@ -73,16 +94,13 @@ def test_synchronous_pipeline_generates_after_each_sync(make_backend):
 
 
 def test_one_step_off_policy_overlaps_generation_with_training(make_backend):
-    api = Recorder(make_backend())
+    api = Recorder(make_backend(), await_overlap=True)
     pipeline = RolloutPipeline(api, lambda step: PROMPTS, SamplingParams(n=2, max_tokens=6, seed=0), max_staleness=1)
     batches = train_steps(api, pipeline, 4)
     assert [b.staleness for b in batches] == [0, 1, 1, 1] and pipeline.dropped_total == 0
     assert [b.completions[0].weight_version for b in batches] == [0, 0, 1, 2]
-    generates = sorted(e for e in api.events if e[0] == "generate")
-    trains = sorted(e for e in api.events if e[0] == "fwd_bwd")
-    # step t+1's generation was started before step t's fwd_bwd ended
-    for gen, train in zip(generates[1:], trains):
-        assert gen[1] < train[2]
+    # step t+1's generation had started before step t's fwd_bwd ran (and so before it ended): every step overlapped
+    assert api.overlapped == [True] * 4
 
 
 def test_samples_beyond_the_staleness_bound_are_dropped_and_counted(make_backend):
