@@ -196,12 +196,16 @@ class InProcessBackend(TrainingAPI):
                     f"prompts[{i}]",
                     f"{len(prompt)} tokens + max_tokens {params.max_tokens} exceed the sampler's context {self.sampler.max_context}",
                 )
-        truncated = ("sampling.top_p" if params.top_p < 1 else "sampling.top_k" if params.top_k > 0
-                     else "sampling.min_tokens" if params.min_tokens > 0 else None)
-        if truncated and params.temperature not in (0.0, 1.0) and not self.sampler.exact_truncated_logprobs:
-            raise InvalidRequest(truncated, f"the {self.config.sampler.name} sampler's log-probs under top-k/top-p "
-                                            f"truncation or min_tokens at temperature {params.temperature} are not the "
-                                            "model's own: sample at temperature 1, or without them")
+        reshaped = params.reshaped_by()
+        if (reshaped and params.logprobs_of == "model" and params.temperature not in (0.0, 1.0)
+                and not self.sampler.exact_truncated_logprobs):
+            raise InvalidRequest(f"sampling.{reshaped}", f"the {self.config.sampler.name} sampler's log-probs under "
+                                 f"{reshaped} at temperature {params.temperature} are not the model's own: sample at "
+                                 "temperature 1, or ask for the sampled distribution's (sampling.logprobs_of: sampler)")
+        unsupported = next((name for name in self.sampler.unsupported_sampling
+                            if getattr(params, name) != SamplingParams.model_fields[name].default), None)
+        if unsupported:
+            raise InvalidRequest(f"sampling.{unsupported}", f"the {self.config.sampler.name} sampler cannot apply it")
         bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
@@ -209,8 +213,8 @@ class InProcessBackend(TrainingAPI):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
                  session: str | None = None, on_tokens=None) -> list[Completion]:
-        """`on_tokens(prompt index, sample index, token ids)`: a sampler that batches continuously calls it with each
-        engine step's new tokens (streaming); another sampler does not call it."""
+        """`on_tokens(prompt index, sample index, token ids)`: a sampler that streams tokens calls it with each
+        engine step's new tokens; another sampler does not call it."""
         request = self.checked_generate(prompts, sampling, session)
         prompts, params = request.prompts, request.sampling
         epoch = self._aborts
@@ -220,7 +224,7 @@ class InProcessBackend(TrainingAPI):
                                           weight_version=self._weight_version)
                                for i in range(len(prompts)) for _ in range(params.n)]
             else:
-                streamed = {"on_tokens": on_tokens} if on_tokens is not None and self.sampler.continuous_batching else {}
+                streamed = {"on_tokens": on_tokens} if on_tokens is not None and self.sampler.streams_tokens else {}
                 completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version,
                                                     **streamed)
         with self._counters_lock:

@@ -233,6 +233,22 @@ class SamplingParams(_Strict):
     ignore_eos: bool = False
     """Sampling goes on past the model's end-of-sequence token (vLLM's `ignore_eos`); `stop_token_ids` still stop
     it. The log-probs are unchanged: the token is sampled as the model weighs it, only not taken as the end."""
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    """Tokens less likely than `min_p` times the most likely one are not sampled (0: off)."""
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    """Subtracted from the logit of every token the completion already holds (vLLM's, OpenAI's)."""
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    """Subtracted from a token's logit once per time the completion already holds it."""
+    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    """A token of the prompt or the completion has its logit divided by this where positive, multiplied where not
+    (vLLM's, Hugging Face's); 1 is off. Penalties apply before the temperature."""
+    logprobs_of: Literal["model", "sampler"] = "model"
+    """Whose log-probs a completion reports. `model`: the model's own at the temperature (what the trainer computes
+    with the `apply_temperature` post-processor), whatever truncated or penalised the sampling; where a sampler
+    cannot give them (truncation, `min_p`, `min_tokens` or penalties at a temperature other than 0 or 1 on vLLM)
+    the request is refused by name. `sampler`: the distribution the tokens were drawn from, after penalties,
+    temperature, `min_tokens`' mask and truncation, renormalised (vLLM's processed log-probs): the behaviour
+    policy as it was, for an importance ratio against the model's."""
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
@@ -252,6 +268,20 @@ class SamplingParams(_Strict):
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
+
+    def reshaped_by(self) -> str | None:
+        """The first parameter that makes the sampled distribution other than the model's at the temperature
+        (truncation, `min_p`, `min_tokens`' mask, a penalty); None where it is the model's."""
+        greedy = self.temperature == 0  # greedy ignores truncation
+        for name, value, neutral in (("top_p", self.top_p, 1.0), ("top_k", self.top_k, 0), ("min_p", self.min_p, 0.0)):
+            if not greedy and value != neutral:
+                return name
+        for name, value, neutral in (("min_tokens", self.min_tokens, 0), ("presence_penalty", self.presence_penalty, 0.0),
+                                     ("frequency_penalty", self.frequency_penalty, 0.0),
+                                     ("repetition_penalty", self.repetition_penalty, 1.0)):
+            if value != neutral:
+                return name
+        return None
 
 
 SESSION_ID_CHARS = 256

@@ -23,3 +23,25 @@ def grpo_batch(groups=2, group_size=3, prompt_len=6, response_len=5, seed=0, voc
                 )
             )
     return seqs
+
+
+def sampled_distribution_logprobs(model, prompt, response, sampling) -> list[float]:
+    """The reference of `logprobs_of: sampler` without truncation: each response token's log-prob under the
+    distribution sampled from, built from the model's logits in vLLM's (and Hugging Face's) order: repetition
+    penalty (prompt and completion tokens), then frequency and presence penalties (completion tokens so far), then
+    the temperature (fp64)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].double()
+    out = []
+    for j, token in enumerate(response):
+        z = logits[j].clone()
+        seen = torch.tensor(sorted(set(prompt + response[:j])))
+        penalised = z[seen]
+        z[seen] = torch.where(penalised > 0, penalised / sampling["repetition_penalty"],
+                              penalised * sampling["repetition_penalty"])
+        counts = torch.bincount(torch.tensor(response[:j], dtype=torch.long), minlength=z.numel()).double()
+        z -= sampling["frequency_penalty"] * counts + sampling["presence_penalty"] * (counts > 0).double()
+        out.append(torch.log_softmax(z / sampling["temperature"], -1)[token].item())
+    return out

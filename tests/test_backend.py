@@ -7,7 +7,7 @@ import torch
 
 from arctic_rl_core.errors import InvalidRequest, UnknownName
 from arctic_rl_core.types import LossSpec, SamplingParams, Sequence
-from tests.helpers import grpo_batch
+from tests.helpers import grpo_batch, sampled_distribution_logprobs
 
 
 def weights(backend):
@@ -154,6 +154,29 @@ def test_zorro_on_and_off_give_the_same_training_step(make_backend):
     assert on.step().grad_norm == pytest.approx(off.step().grad_norm, rel=1e-5)
     u_on, u_off = update(on, start), update(off, start)
     assert (u_on - u_off).norm() <= 1e-5 * u_off.norm()
+
+
+def test_penalised_sampling_reports_the_models_or_the_sampled_distributions_log_probs(make_backend):
+    """The transformers sampler applies the repetition penalty; `logprobs_of: sampler` reports the penalised,
+    temperature-scaled distribution it drew from, `model` (the default) the model's own at the temperature. It
+    cannot apply presence or frequency penalties: refused by name."""
+    api = make_backend()
+    prompts, model = [[5, 6, 7, 8, 9], [11, 12, 13]], api.sampler.model
+    hot = {"temperature": 0.7, "repetition_penalty": 8.0}  # the tiny model's logits are small: a strong penalty
+    drawn = api.generate(prompts, {"n": 2, "max_tokens": 10, "seed": 5, "logprobs_of": "sampler", **hot})
+    reference = [sampled_distribution_logprobs(model, prompts[c.prompt_index], c.token_ids,
+                                               {**hot, "presence_penalty": 0.0, "frequency_penalty": 0.0})
+                 for c in drawn]
+    assert max(abs(a - b) for c, r in zip(drawn, reference) for a, b in zip(c.logprobs, r)) < 1e-4
+    own = api.generate(prompts, {"n": 2, "max_tokens": 10, "seed": 5, **hot})
+    assert [c.token_ids for c in own] == [c.token_ids for c in drawn]  # the same draws, other log-probs reported
+    scored = api.log_probs([Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids) for c in own],
+                           temperature=0.7).logprobs
+    assert max(abs(a - b) for c, lp in zip(own, scored) for a, b in zip(c.logprobs, lp)) < 1e-4
+    assert max(abs(a - b) for c, d in zip(own, drawn) for a, b in zip(c.logprobs, d.logprobs)) > 1e-2
+    with pytest.raises(InvalidRequest) as err:
+        api.generate(prompts, {"max_tokens": 4, "presence_penalty": 0.5})
+    assert err.value.field == "sampling.presence_penalty"
 
 
 def test_ignore_eos_samples_on_past_the_end_of_sequence_token(make_backend):

@@ -15,6 +15,7 @@ from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.server.app import ServerSettings
 from arctic_rl_core.server.run import ServerThread
+from arctic_rl_core.types import SamplingParams
 
 # One Ray cluster at a time: `make scenarios` keeps the files that start one on the same worker.
 pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("ray")]
@@ -73,8 +74,18 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
                 for row in status["sampler"]] == [(0, 0, True, 1), (1, 1, True, 1)]
         assert len({row["pid"] for row in status["trainer"] + status["sampler"]}) == 4
 
-        # The serving routes on the same pool: concurrent requests, coalesced, dealt to the replicas, captured.
-        with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda c: api) as url:
+        # A replica's vLLM engine takes concurrent calls into one running batch: a short call sent after a long
+        # one on the same replica returns first.
+        replica = api.sampler._slots[0].actor
+        long = replica.generate.remote([PROMPTS[1]], SamplingParams(max_tokens=200, min_tokens=200, ignore_eos=True))
+        short = replica.generate.remote([PROMPTS[3]], SamplingParams(max_tokens=2))
+        [first], _ = ray.wait([long, short], num_returns=1, timeout=300)
+        assert first == short and len(ray.get(long)[0].token_ids) == 200
+
+        # The serving routes on the same pool: each request its own call (the replicas batch them), dealt to the
+        # replicas, captured.
+        server = ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda c: api)
+        with server as url:
             def ask(i):
                 return httpx.post(f"{url}/v1/completions", timeout=120, headers={"X-Session-Id": f"s{i}"}, json={
                     "model": tiny_model, "prompt": PROMPTS[i], "max_tokens": 4, "logprobs": 2,
@@ -89,6 +100,7 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
                 assert all(len(top) >= 2 for top in choice["logprobs"]["top_logprobs"])
                 [turn] = api.episode(f"s{i}").turns
                 assert (turn.prompt_ids, turn.token_ids) == (PROMPTS[i], choice["token_ids"])
+            assert server.app.state.serving.describe()["generate_calls"] == len(PROMPTS)
     finally:
         api.close()
     assert not ray.is_initialized()

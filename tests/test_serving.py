@@ -161,7 +161,7 @@ def test_bad_input_is_a_4xx_in_openais_error_shape(server, sdk):
     assert err.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as err:
         sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, presence_penalty=0.5)
-    assert err.value.body["param"] == "presence_penalty"
+    assert err.value.body["param"] == "presence_penalty" and "cannot apply" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"mirostat": 1})
     assert err.value.body["param"] == "mirostat"
@@ -174,8 +174,11 @@ def test_bad_input_is_a_4xx_in_openais_error_shape(server, sdk):
     token_route = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [1, -1], "sampling_params": {}})
     assert token_route.status_code == 400 and token_route.json()["error"]["param"].startswith("token_ids")
     token_route = httpx.post(f"{url}/inference/v1/generate",
-                             json={"token_ids": [1, 2], "sampling_params": {"min_p": 0.1}})
-    assert token_route.status_code == 400 and token_route.json()["error"]["param"] == "sampling_params.min_p"
+                             json={"token_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.1}})
+    assert token_route.status_code == 400 and token_route.json()["error"]["param"] == "sampling_params.frequency_penalty"
+    token_route = httpx.post(f"{url}/inference/v1/generate",
+                             json={"token_ids": [1, 2], "sampling_params": {"logit_bias": {"5": 1.0}}})
+    assert token_route.status_code == 400 and token_route.json()["error"]["param"] == "sampling_params.logit_bias"
     with pytest.raises(openai.BadRequestError) as err:  # a request never brings its own template
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                     extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' * 10**9 }}"}})
@@ -237,15 +240,23 @@ def test_concurrent_requests_are_sampled_in_one_call_each_answered_on_its_own(se
     assert sum(calls) == 8 and len(calls) <= 2, calls  # those that came during the first call are one call after it
 
 
-def _slow_generate(backend, seconds):
-    """The sampler takes `seconds` per call (a long generation), without changing what it returns."""
+def _slow_generate(backend, gate):
+    """The sampler's calls wait until the test opens `gate` (a long generation), without changing what they
+    return. Returns (entered, restore): `entered` is set once a call is waiting at the gate; `restore` opens the
+    gate and puts the real sampler back."""
     real = backend.sampler.generate
+    entered = threading.Event()
 
     def slow(*args, **kwargs):
-        time.sleep(seconds)
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"  # only bounds a hang
         return real(*args, **kwargs)
     backend.sampler.generate = slow
-    return lambda: setattr(backend.sampler, "generate", real)
+
+    def restore():
+        gate.set()
+        backend.sampler.generate = real
+    return entered, restore
 
 
 def _in_thread(fn):
@@ -259,27 +270,43 @@ def _in_thread(fn):
 def test_pause_aborts_or_drains_in_flight_requests_and_holds_new_ones(server, mode):
     url, backend = server
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "return_token_ids": True}
-    restore = _slow_generate(backend, 1.0)
+    gate = threading.Event()  # the request in flight is being sampled until the test sets it
+    entered, restore = _slow_generate(backend, gate)
     try:
-        flight, box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=30).json())
-        while httpx.get(f"{url}/v1/status").json()["serving"]["in_flight"] < 1:  # the request is being sampled
-            time.sleep(0.01)
-        started = time.monotonic()
-        assert httpx.post(f"{url}/pause", params={"mode": mode}, timeout=30).json() == {"status": "paused"}
-        paused_for = time.monotonic() - started
+        flight, box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
+        assert entered.wait(30)  # the request is being sampled
+        # The pause's answer, and whether the sampling had been let go by the time it came.
+        pausing, paused = _in_thread(lambda: (httpx.post(f"{url}/pause", params={"mode": mode}, timeout=60).json(),
+                                              gate.is_set()))
+        if mode == "wait":
+            pausing.join(0.5)  # a short look: it can only miss a pause that came back too early, never fail a right one
+            assert pausing.is_alive(), "pause(wait) returned while a request was still being sampled"
+            gate.set()
+        pausing.join(timeout=30)
+        assert not pausing.is_alive(), f"pause({mode}) waited for the request in flight"
+        answer, sampling_was_let_go = paused["out"]
+        # abort and keep answer while the sampling is still held; wait answers only once it ended
+        assert answer == {"status": "paused"} and sampling_was_let_go == (mode == "wait")
         assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
-        held, held_box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=30).json())
-        flight.join(timeout=30)
-        choice = box["out"]["choices"][0]
         if mode == "abort":
-            assert choice["finish_reason"] == "abort" and choice["token_ids"] == [] and paused_for < 0.5
-        else:
+            flight.join(timeout=30)  # answered at once: the sampling is still held
+            assert not flight.is_alive()
+            choice = box["out"]["choices"][0]
+            assert choice["finish_reason"] == "abort" and choice["token_ids"] == []
+        elif mode == "keep":
+            assert flight.is_alive()  # kept: it is still being sampled
+        gate.set()
+        flight.join(timeout=30)
+        assert not flight.is_alive()
+        if mode != "abort":
+            choice = box["out"]["choices"][0]
             assert choice["finish_reason"] in ("stop", "length") and choice["token_ids"]
-            assert (paused_for > 0.4) == (mode == "wait")
-        time.sleep(0.3)
+        held, held_box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
+        held.join(0.3)  # a short look: it can only miss a request that was let through, never fail a held one
         assert held.is_alive(), "a request that arrived while paused must wait for resume"
         assert httpx.post(f"{url}/resume").json() == {"status": "resumed"}
         held.join(timeout=30)
+        assert not held.is_alive()
         assert held_box["out"]["choices"][0]["finish_reason"] in ("stop", "length")
     finally:
         restore()
@@ -356,27 +383,44 @@ def test_pause_abort_ends_the_samplers_call_in_flight_so_a_weight_sync_need_not_
     backend = thread.app.state.job.api
     model, steps = backend.sampler.model, []
     real_forward = model.forward
+    stop_at, stopped, go_on = 10, threading.Event(), threading.Event()
 
-    def slow_forward(*args, **kwargs):  # 20 ms a token: 200 tokens take 4 s unless aborted
+    def held_forward(*args, **kwargs):  # one token a step; the call sampling holds at its 10th until told to go on
         steps.append(1)
-        time.sleep(0.02)
+        if len(steps) == stop_at:
+            stopped.set()
+            assert go_on.wait(60), "the test never let the sampler go on"  # only bounds a hang
         return real_forward(*args, **kwargs)
-    model.forward = slow_forward
     with thread as url:
+        model.forward = held_forward
+        calls_before = backend.generated["calls"]
         body = {"model": tiny_model, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 200, "return_token_ids": True}
         flight, box = _in_thread(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
         direct, direct_box = _in_thread(lambda: backend.generate([[5, 6, 7]], {"max_tokens": 200, "n": 2}))
-        while len(steps) < 10:
-            time.sleep(0.01)
-        httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=30)
-        started = time.monotonic()
+        try:
+            # Both calls are in generate before the pause: one sampling (held at its 10th token), the other waiting
+            # for the sampler (this sampler takes one call at a time).
+            assert stopped.wait(30)
+            deadline = time.monotonic() + 30  # only bounds a hang
+            while backend._sampler_lock._waiting < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert backend._sampler_lock._waiting == 1
+            httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=30)
+        finally:
+            go_on.set()
         version = httpx.post(f"{url}/update_weights", timeout=60).json()["weight_version"]
-        synced_after = time.monotonic() - started
+        sampled_by_the_sync = len(steps)
         flight.join(timeout=60)
         direct.join(timeout=60)
         assert [c["finish_reason"] for c in box["out"]["choices"]] == ["abort", "abort"]
-        assert synced_after < 2.0, synced_after  # not the ~4 s the generation had left
         assert version == 1
+        # The sync did not wait for either call to run on: when it was done, the sampler had sampled about the
+        # tokens it had when the pause came, far from the 200 of one call that ran to its end.
+        assert sampled_by_the_sync < 50, sampled_by_the_sync
+        deadline = time.monotonic() + 30  # the request's call, whose answer the route dropped, ends too: soon
+        while backend.generated["calls"] < calls_before + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.generated["calls"] == calls_before + 2 and len(steps) < 50, len(steps)
         # A generate call of the training API in flight was cut too: what it sampled so far, finish reason abort.
         for c in direct_box["out"]:
             assert c.finish_reason == "abort" and len(c.token_ids) < 200 and len(c.logprobs) == len(c.token_ids)

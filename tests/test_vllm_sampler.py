@@ -133,8 +133,8 @@ def test_a_weight_sync_mid_generation_loses_no_request_and_each_span_is_its_vers
 @pytest.mark.scenario
 def test_streamed_replies_arrive_as_the_engine_samples_them(tiny_model):
     result = run_scenario("streaming", tiny_model)
-    # a piece per engine step (one token each here), the first long before the last
-    assert result["pieces"] == result["tokens"] == 120 and result["first_piece_s"] < result["last_s"] / 4, result
+    # a piece per engine step (one token each here), the first while the engine was still sampling the request
+    assert result["pieces"] == result["tokens"] == 120 and result["sampling_at_first_piece"], result
     assert result["text_is_reply"] and result["finish"] == ["length"] and result["usage"] == [120], result
     # a stop string: the content is the reply cut before it, and no piece ever held any of it
     assert result["chat_pieces"] > 2 and result["chat_content_is_cut_reply"] and not result["stop_sent"], result
@@ -165,11 +165,17 @@ def test_concurrent_calls_join_one_running_batch(tiny_model):
 
 
 @pytest.mark.scenario
-def test_truncated_sampling_reports_the_models_own_log_probs_at_temperature_one(tiny_model):
-    result = run_scenario("truncated", tiny_model)
-    assert result["top_p"] < 1e-3 and result["top_k"] < 1e-3 and result["plain"] < 1e-3, result
-    assert result["min_tokens"] < 1e-3 and result["min_tokens_shortest"] >= 6, result
-    assert result["hot_top_p"] == "sampling.top_p" and result["hot_min_tokens"] == "sampling.min_tokens"
+def test_reshaped_sampling_reports_the_models_own_log_probs_or_the_sampled_distributions(tiny_model):
+    result = run_scenario("reshaped", tiny_model)
+    for name in ("top_p", "top_k", "min_p", "penalties", "plain", "min_tokens"):  # logprobs_of: model, at 1
+        assert result[name] < 1e-3, (name, result)
+    assert result["min_tokens_shortest"] >= 6, result
+    # logprobs_of: sampler at 0.7: penalties as vLLM applies them, which change the distribution
+    assert result["sampler_penalties"] < 1e-4 and result["penalties_matter"] > 5e-3, result
+    assert result["min_p_kept"] and result["min_p_err"] < 1e-3, result
+    assert result["min_p_compared"] >= result["min_p_positions"] / 2, result
+    assert (result["hot_top_p"], result["hot_min_tokens"], result["hot_presence"]) == (
+        "sampling.top_p", "sampling.min_tokens", "sampling.presence_penalty")
     assert result["hot_plain"] == 2
 
 

@@ -30,6 +30,16 @@ def _wait_until(condition, timeout_s: float = 120):
         time.sleep(0.005)
 
 
+def _sampling_all(api, prompts, sampling, box):
+    """`api.generate` on a thread, its result in `box["out"]`; returns the thread and a function that waits until
+    every sample has at least one token (its engine step seen through `on_tokens`)."""
+    started = set()
+    running = threading.Thread(target=lambda: box.setdefault("out", api.generate(
+        prompts, sampling, on_tokens=lambda prompt, sample, tokens: started.add((prompt, sample)))))
+    running.start()
+    return running, lambda: _wait_until(lambda: len(started) == len(prompts) * sampling.get("n", 1))
+
+
 def max_err(a, b):
     return max(abs(x - y) for r, q in zip(a, b) for x, y in zip(r, q))
 
@@ -242,12 +252,15 @@ def streaming(model_dir):
 
     api = backend(model_dir)
 
+    sampling_when = {}  # event index: whether the engine was still sampling the request when the event came
+
     def events(url, route, body):
         t0, out = time.perf_counter(), []
         with httpx.stream("POST", f"{url}/v1/{route}", json={"model": model_dir, "stream": True, **body},
                           timeout=300) as response:
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
+                    sampling_when[len(out)] = api.sampler.requests_in_flight() > 0
                     out.append((time.perf_counter() - t0, json.loads(line[len("data: "):])))
         return out
 
@@ -256,11 +269,14 @@ def streaming(model_dir):
         body = {"prompt": [5, 6, 7, 8], "max_tokens": 120, "ignore_eos": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}
         streamed = events(url, "completions", body)
+        first_piece = next(i for i, (_, e) in enumerate(streamed) if e["choices"] and e["choices"][0]["token_ids"])
+        sampling_at_first_piece = sampling_when[first_piece]
         pieces = [(t, e["choices"][0]) for t, e in streamed if e["choices"] and e["choices"][0]["finish_reason"] is None]
         final = [e["choices"][0] for _, e in streamed if e["choices"] and e["choices"][0]["finish_reason"]]
         ids = [i for _, c in pieces for i in c["token_ids"]]
         text = "".join(c["text"] for _, c in pieces) + "".join(c["text"] for c in final)
         result = {"pieces": len(pieces), "first_piece_s": pieces[0][0], "last_s": streamed[-1][0],
+                  "sampling_at_first_piece": sampling_at_first_piece,
                   "tokens": len(ids), "text_is_reply": text == api_text(api, ids),
                   "finish": [c["finish_reason"] for c in final],
                   "usage": [e["usage"]["completion_tokens"] for _, e in streamed if e.get("usage")]}
@@ -287,33 +303,69 @@ def api_text(api, ids):
     return TextCodec(api.config.model_path).decode(ids)
 
 
-def truncated(model_dir):
-    """With top-p / top-k at temperature 1 the completions' log-probs are the model's (the trainer's), not
-    vLLM's renormalised ones; its top alternatives stay vLLM's."""
+def reshaped(model_dir):
+    """Sampling reshaped by truncation, min_p, min_tokens or penalties. `logprobs_of: model` (the default): at
+    temperature 1 the completions' log-probs are the model's (the trainer's), not vLLM's renormalised ones, and at
+    another temperature such a request is refused by name. `logprobs_of: sampler`: vLLM's processed log-probs,
+    those of the distribution the tokens were drawn from, at any temperature."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arctic_rl_core.errors import InvalidRequest
     from arctic_rl_core.types import Sequence
+    from tests.helpers import sampled_distribution_logprobs
 
     api = backend(model_dir)
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
     result = {}
+    # Strong: the tiny model's logits are small and near uniform, so only penalised completion tokens move much.
+    penalties = {"repetition_penalty": 1.5, "presence_penalty": 2.0, "frequency_penalty": 2.0}
     for name, sampling in (("top_p", {"top_p": 0.5}), ("top_k", {"top_k": 5}), ("min_tokens", {"min_tokens": 6}),
-                           ("plain", {})):
+                           ("min_p", {"min_p": 0.05}), ("penalties", penalties), ("plain", {})):
         out = api.generate(prompts, {"n": 2, "max_tokens": 8, "seed": 3, "temperature": 1.0, **sampling})
         trainer = api.log_probs([Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids)
                                  for c in out]).logprobs
         result[name] = max_err([c.logprobs for c in out], trainer)
         result[f"{name}_shortest"] = min(len(c.token_ids) for c in out)
-    from arctic_rl_core.errors import InvalidRequest
 
-    try:  # at another temperature the model's own log-probs cannot be had from vLLM: refused, named
-        api.generate(prompts, {"max_tokens": 4, "temperature": 0.7, "top_p": 0.9})
-        result["hot_top_p"] = None
-    except InvalidRequest as err:
-        result["hot_top_p"] = err.field
-    try:
-        api.generate(prompts, {"max_tokens": 4, "temperature": 0.7, "min_tokens": 1})
-        result["hot_min_tokens"] = None
-    except InvalidRequest as err:
-        result["hot_min_tokens"] = err.field
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hot = {"temperature": 0.7, **penalties}
+    out = api.generate(prompts, {"n": 2, "max_tokens": 12, "seed": 5, "logprobs_of": "sampler", **hot})
+    reference = [sampled_distribution_logprobs(model, prompts[c.prompt_index], c.token_ids, hot) for c in out]
+    result["sampler_penalties"] = max_err([c.logprobs for c in out], reference)
+    result["penalties_matter"] = max_err(  # the same tokens under the unpenalised model at 0.7
+        reference, [sampled_distribution_logprobs(model, prompts[c.prompt_index], c.token_ids,
+                                          {"temperature": 0.7, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                           "frequency_penalty": 0.0}) for c in out])
+    # min_p at 0.7: every sampled token kept its place (at least min_p of the most likely one's probability), and
+    # its log-prob is the temperature-scaled model's renormalised over the kept tokens. A position where a token
+    # lies within 1e-4 of the threshold is not compared: rounding may keep it on one side and drop it on the other.
+    out = api.generate(prompts, {"n": 2, "max_tokens": 12, "seed": 5, "logprobs_of": "sampler", "temperature": 0.7,
+                                 "min_p": 0.2})
+    kept, errors, positions = True, [], 0
+    for c in out:
+        prompt = prompts[c.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1].double() / 0.7
+        probs = torch.softmax(logits, -1)
+        for j, token in enumerate(c.token_ids):
+            positions += 1
+            threshold = 0.2 * probs[j].max()
+            kept &= bool(probs[j, token] >= threshold * (1 - 1e-4))
+            if ((probs[j] - threshold).abs() < 1e-4 * threshold).any():
+                continue
+            masked = logits[j].masked_fill(probs[j] < threshold, float("-inf"))
+            errors.append(abs(c.logprobs[j] - torch.log_softmax(masked, -1)[token].item()))
+    result["min_p_kept"], result["min_p_err"] = kept, max(errors)
+    result["min_p_compared"], result["min_p_positions"] = len(errors), positions
+
+    for name, sampling in (("hot_top_p", {"top_p": 0.9}), ("hot_min_tokens", {"min_tokens": 1}),
+                           ("hot_presence", {"presence_penalty": 0.5})):
+        try:  # at another temperature the model's own log-probs cannot be had from vLLM: refused, named
+            api.generate(prompts, {"max_tokens": 4, "temperature": 0.7, **sampling})
+            result[name] = None
+        except InvalidRequest as err:
+            result[name] = err.field
     result["hot_plain"] = len(api.generate(prompts, {"max_tokens": 4, "temperature": 0.7}))
     return result
 
@@ -329,10 +381,8 @@ def abort(model_dir):
     api.generate(prompts[:2], full)
     small_s = time.perf_counter() - t0
     box = {}
-    running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts, full)))
-    running.start()
-    _wait_until(api.sampler.requests_in_flight)  # the call has started
-    time.sleep(small_s / 4)  # well inside it: it has 8 times the work of `small_s`
+    running, every_sample_started = _sampling_all(api, prompts, full, box)
+    every_sample_started()  # inside the call: it has 8 times the work of `small_s`
     t1 = time.perf_counter()
     api.abort_generation()
     running.join(120)
@@ -414,10 +464,8 @@ def crossing(model_dir, placement="in_process"):
     api.step()  # the trainer moves on; the sampler still holds version 0
 
     box = {}
-    running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts, sampling)))
-    running.start()
-    _wait_until(api.sampler.requests_in_flight)
-    time.sleep(0.5)  # decoding
+    running, every_sample_started = _sampling_all(api, prompts, sampling, box)
+    every_sample_started()  # decoding, each with 160 tokens to go
     version = api.sync_weights()
     running.join(300)
     crossed = box["out"]
@@ -447,10 +495,8 @@ def crossing(model_dir, placement="in_process"):
     api.fwd_bwd(grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6), "grpo")
     api.step()
     box.clear()
-    running = threading.Thread(target=lambda: box.setdefault("out", api.generate(prompts[:4], sampling)))
-    running.start()
-    _wait_until(api.sampler.requests_in_flight)
-    time.sleep(0.3)
+    running, every_sample_started = _sampling_all(api, prompts[:4], sampling, box)
+    every_sample_started()
     paused = api.pause_generation()
     loop = api.sampler._loop
     frozen_at = sum(len(s.token_ids) for s in loop.cut_samples())
@@ -506,6 +552,6 @@ if __name__ == "__main__":
     hf_logging.disable_progress_bar()
     scenario, model_dir, *rest = sys.argv[1:]
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
-              "abort": abort, "truncated": truncated, "cascade": cascade, "continuous": continuous,
+              "abort": abort, "reshaped": reshaped, "cascade": cascade, "continuous": continuous,
               "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

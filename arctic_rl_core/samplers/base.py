@@ -15,13 +15,19 @@ class Sampler(ABC):
     sync_route: str
     """How `load_weights` moves weights (reported by `status`)."""
     exact_truncated_logprobs: bool = True
-    """Whether log-probs under top-k/top-p truncation are the model's own (temperature-scaled) at every
-    temperature; where not, the backend refuses such a request by name rather than report other numbers."""
+    """Whether its `logprobs_of: model` log-probs are the model's own (temperature-scaled) at every temperature when
+    sampling is reshaped (`SamplingParams.reshaped_by`: truncation, min_p, min_tokens, penalties); where not, the
+    backend refuses such a request by name rather than report other numbers."""
+    unsupported_sampling: frozenset[str] = frozenset()
+    """Sampling parameters it cannot apply: refused by name unless at their default."""
     concurrent_generate: bool = False
     """Whether `generate` and `score` may run from several threads at once (a pool of replicas may)."""
     continuous_batching: bool = False
     """Whether concurrent calls join one running batch (vLLM's engine): callers need not gather requests into
     calls themselves."""
+    streams_tokens: bool = False
+    """Whether `generate` takes `on_tokens(prompt index, sample index, token ids)` and calls it with each engine
+    step's new tokens."""
 
     crosses_syncs: bool = False
     """Whether `load_weights` may run while `generate` calls are in flight: they go on under the new weights, each

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.samplers.vllm_worker import join_group, receive_buckets
 from arctic_rl_core.types import Completion, SamplingParams
 
@@ -37,7 +38,9 @@ class SamplerReplica:
         self.index = index
         self.sampler = load_plugins().sampler_factory(cfg.sampler.name)(cfg)
         self.weight_version = 0
-        self._busy = threading.Lock()  # one engine call at a time: vLLM's LLM is not thread-safe
+        # Weight loads, sleep and wake-up hold it alone. Calls hold it shared where the sampler takes concurrent
+        # calls (vLLM's engine loop joins them into its running batch), alone where it does not.
+        self._busy = SharedLock()
         self._incoming: queue.Queue | None = None
         self._loader: threading.Thread | None = None
         self._loaded: tuple[int | None, BaseException | None] = (None, None)
@@ -46,17 +49,22 @@ class SamplerReplica:
 
     def facts(self) -> dict:
         return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
-                "sync_route": self.sampler.sync_route, "exact_truncated_logprobs": self.sampler.exact_truncated_logprobs}
+                "sync_route": self.sampler.sync_route, "exact_truncated_logprobs": self.sampler.exact_truncated_logprobs,
+                "continuous_batching": self.sampler.continuous_batching,
+                "unsupported_sampling": sorted(self.sampler.unsupported_sampling)}
+
+    def _call(self):
+        return self._busy.shared() if self.sampler.concurrent_generate else self._busy
 
     def generate(self, prompts, sampling: SamplingParams) -> list[Completion]:
-        with self._busy:
+        with self._call():
             return self.sampler.generate(prompts, sampling, self.weight_version)
 
     def abort_generation(self) -> bool:
         return self.sampler.abort_generation()  # not under _busy: it ends the call that holds it
 
     def score(self, sequences):
-        with self._busy:
+        with self._call():
             return self.sampler.score(sequences)
 
     def sleep(self) -> None:

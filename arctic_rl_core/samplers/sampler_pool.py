@@ -4,8 +4,12 @@
   (a GRPO group sent as n=1 copies) and a prompt's n samples go to one replica,
   so its prefix cache computes the prompt once. Groups go, largest first, to the
   replica with the fewest queued tokens (prompt once plus every sample's
-  max_tokens), counting what concurrent calls already queued there.
-  `score` (`log_probs(source="sampler")`) is dealt the same way.
+  max_tokens, counting what concurrent calls already queued there) less the
+  prompt's prefix it likely caches (`prefix_affinity`): a multi-turn episode's
+  next turn returns to the replica that holds its history unless another is idler
+  by more than that prefill. `score` (`log_probs(source="sampler")`) is dealt the
+  same way. Replicas whose sampler batches continuously (vLLM) take concurrent
+  calls at once, so the serving routes send each request as its own call.
 - `load_weights` brings every replica to the new version, by `sampler.sync`:
   `shared_memory`: buckets through Ray's object store (shared memory between
   the processes of a machine, Ray's transfer between machines), the trainer
@@ -31,6 +35,7 @@ import torch
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.samplers.prefix_affinity import PrefixIndex, block_hashes
 from arctic_rl_core.samplers.replica import SamplerReplica, node_address
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
 from arctic_rl_core.types import Completion, SamplingParams
@@ -39,6 +44,13 @@ log = logging.getLogger("arctic_rl.sampler_pool")
 
 _MAX_REPLACEMENTS_PER_CALL = 4
 """A call that loses more replicas than this fails instead of replacing them forever."""
+
+_PREFIX_BLOCKS = 1 << 16
+"""Prefix blocks remembered per replica (a million tokens: more than a replica's KV cache holds, so at worst a
+match is stale and costs balance, never correctness)."""
+
+_CALLS_PER_REPLICA = 64
+"""Calls a replica's actor runs at once (a continuously batched sampler joins them into one running batch)."""
 
 
 class SamplerReplicaFailed(ArcticRLError):
@@ -58,6 +70,7 @@ class _Slot:
         self.state = "starting"
         self.weight_version = 0
         self.queued_tokens = 0
+        self.prefixes = PrefixIndex(_PREFIX_BLOCKS)
         self.replacements = 0
         self.incarnation = 0
         """Counts the actors started in this slot: a sync group is formed again when its members change."""
@@ -68,8 +81,9 @@ class _Slot:
         return self.state == "ready"
 
 
-Unit = tuple[int, list[int]]
-"""(cost in tokens, indexes into the call's prompts or sequences): dealt to one replica whole."""
+Unit = tuple[int, list[int], list[int]]
+"""(cost in tokens, indexes into the call's prompts or sequences, the prompt's block hashes): dealt to one
+replica whole."""
 
 
 class SamplerPool(Sampler):
@@ -120,8 +134,9 @@ class SamplerPool(Sampler):
 
     def _start(self, slot: _Slot) -> None:
         slot.incarnation += 1
+        slot.prefixes.clear()
         slot.actor = self.job.actor(SamplerReplica, self.config.model_dump(mode="json"), slot.index,
-                                    max_concurrency=4, **self._layout.sampler[slot.index])
+                                    max_concurrency=_CALLS_PER_REPLICA, **self._layout.sampler[slot.index])
 
     def _started(self, slot: _Slot) -> None:
         import ray
@@ -183,8 +198,8 @@ class SamplerPool(Sampler):
     # -- dealing work ----------------------------------------------------------------------------
 
     def _deal(self, units: list[Unit]) -> dict[int, list[Unit]]:
-        """Units onto ready replicas, largest first onto the fewest queued tokens; waits (up to the start
-        timeout) for a replacement when none is ready."""
+        """Units onto ready replicas, largest first onto the fewest queued tokens less the prompt's likely cached
+        prefix; waits (up to the start timeout) for a replacement when none is ready."""
         with self._changed:
             if not self._changed.wait_for(lambda: any(s.healthy for s in self._slots),
                                           self.config.ray.start_timeout_s):
@@ -193,8 +208,10 @@ class SamplerPool(Sampler):
             live = [s for s in self._slots if s.healthy]
             dealt: dict[int, list[Unit]] = {}
             for unit in sorted(units, key=lambda u: -u[0]):
-                slot = min(live, key=lambda s: (s.queued_tokens, s.index))
-                slot.queued_tokens += unit[0]
+                cost, _, hashes = unit
+                slot = min(live, key=lambda s: (s.queued_tokens - s.prefixes.cached_tokens(hashes), s.index))
+                slot.queued_tokens += cost
+                slot.prefixes.add(hashes)
                 dealt.setdefault(slot.index, []).append(unit)
             return dealt
 
@@ -211,7 +228,7 @@ class SamplerPool(Sampler):
         def submit(pending: list[Unit]) -> None:
             for index, share in self._deal(pending).items():
                 slot = self._slots[index]
-                indexes = [i for _, ix in share for i in ix]
+                indexes = [i for _, ix, _ in share for i in ix]
                 outstanding[call(slot.actor, indexes)] = (slot, slot.actor, share, indexes)
 
         submit(units)
@@ -219,7 +236,7 @@ class SamplerPool(Sampler):
             [ref], _ = ray.wait(list(outstanding), num_returns=1)
             slot, actor, share, indexes = outstanding.pop(ref)
             with self._changed:
-                slot.queued_tokens -= sum(cost for cost, _ in share)
+                slot.queued_tokens -= sum(cost for cost, _, _ in share)
             try:
                 answered.append((indexes, ray.get(ref)))
                 deal.setdefault(slot.index, []).extend(indexes)
@@ -240,7 +257,7 @@ class SamplerPool(Sampler):
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, prompt in enumerate(prompts):
             groups.setdefault(tuple(prompt), []).append(i)
-        return [(cost(ix), ix) for ix in groups.values()]
+        return [(cost(ix), ix, block_hashes(prompts[ix[0]])) for ix in groups.values()]
 
     # -- Sampler ---------------------------------------------------------------------------------
 
@@ -284,6 +301,8 @@ class SamplerPool(Sampler):
                 raise SamplerReplicaFailed(f"sync_weights did not reach every replica ({err}); the replicas it "
                                            "reached wait for the next sync_weights") from err
             self._version = version
+            for slot in self._slots:  # every reached replica emptied its prefix cache; the others were replaced
+                slot.prefixes.clear()
             for slot, _ in loaded:
                 slot.weight_version = version
                 self._set(slot, "ready")
@@ -395,6 +414,14 @@ class SamplerPool(Sampler):
     @property
     def exact_truncated_logprobs(self) -> bool:
         return all(slot.facts.get("exact_truncated_logprobs", True) for slot in self._slots)
+
+    @property
+    def unsupported_sampling(self) -> frozenset[str]:
+        return frozenset(name for slot in self._slots for name in slot.facts.get("unsupported_sampling", ()))
+
+    @property
+    def continuous_batching(self) -> bool:
+        return all(slot.facts.get("continuous_batching", False) for slot in self._slots)
 
     def abort_generation(self) -> bool:
         """Every live replica ends the engine call it runs; False if one could not be reached."""

@@ -34,6 +34,7 @@ def _pairs(indices: torch.Tensor, values: torch.Tensor) -> list[list[tuple[int, 
 
 class TransformersSampler(Sampler):
     sync_route = "direct"  # copies into its own model's parameters
+    unsupported_sampling = frozenset({"presence_penalty", "frequency_penalty"})  # Hugging Face's generate has neither
 
     def __init__(self, config: BackendConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,7 +63,9 @@ class TransformersSampler(Sampler):
             do_sample=not greedy,
             temperature=None if greedy else sampling.temperature,
             top_p=None if greedy else sampling.top_p,
-            top_k=None if greedy else (sampling.top_k or None),
+            top_k=None if greedy else sampling.top_k,  # 0 turns it off; None would be Hugging Face's default, 50
+            min_p=None if greedy else (sampling.min_p or None),
+            repetition_penalty=None if sampling.repetition_penalty == 1 else sampling.repetition_penalty,
             max_new_tokens=sampling.max_tokens,
             min_new_tokens=sampling.min_tokens or None,
             eos_token_id=stop_ids or None,
@@ -70,6 +73,7 @@ class TransformersSampler(Sampler):
             stop_strings=sampling.stop or None,
             return_dict_in_generate=True,
             output_logits=True,
+            output_scores=sampling.logprobs_of == "sampler",
         )
         completions = []
         self._abort.clear()
@@ -88,11 +92,12 @@ class TransformersSampler(Sampler):
                     tokenizer=self.tokenizer if sampling.stop else None, stopping_criteria=StoppingCriteriaList([aborted]),
                 )
                 new = out.sequences[:, ids.shape[1]:]
-                # Log-probs under the temperature-scaled policy, before top-k/top-p truncation: what the
-                # trainer computes with the `apply_temperature` post-processor.
-                logits = torch.stack(out.logits, dim=1).float()
-                if not greedy:
-                    logits = logits / sampling.temperature
+                if sampling.logprobs_of == "sampler":  # what was sampled from: penalised, scaled, truncated
+                    logits = torch.stack(out.scores, dim=1).float()
+                else:  # the temperature-scaled model's: what the trainer's `apply_temperature` computes
+                    logits = torch.stack(out.logits, dim=1).float()
+                    if not greedy:
+                        logits = logits / sampling.temperature
                 all_logprobs = torch.log_softmax(logits, dim=-1)
                 logprobs = all_logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1)
                 top = torch.topk(all_logprobs, sampling.logprobs, dim=-1) if sampling.logprobs else None

@@ -61,11 +61,12 @@ def _top(step: dict, k: int) -> list[tuple[int, float]]:
 
 
 class VLLMSampler(Sampler):
-    # vLLM reports log-probs after truncation and min_tokens' masking (renormalised); at temperature 1 they
-    # are scored again (`_untruncated`), at another one the model's own cannot be had from it.
+    # vLLM reports log-probs after penalties, truncation and min_tokens' masking (renormalised); at temperature 0
+    # or 1 the model's own are had by scoring again (`_model_logprobs`), at another one they cannot be.
     exact_truncated_logprobs = False
     concurrent_generate = True  # every call's requests join the one running batch
     continuous_batching = True
+    streams_tokens = True
     crosses_syncs = True  # a weight update cuts requests in flight and they go on under the new weights
 
     def __init__(self, config: BackendConfig):
@@ -139,6 +140,8 @@ class VLLMSampler(Sampler):
         return VLLMParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=sampling.max_tokens, min_tokens=sampling.min_tokens, ignore_eos=sampling.ignore_eos,
+            min_p=sampling.min_p, presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty, repetition_penalty=sampling.repetition_penalty,
             stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
             seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
             # Callers get token ids (the serving routes decode them): vLLM writes text only to find stop strings.
@@ -170,12 +173,12 @@ class VLLMSampler(Sampler):
                  on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Completion]:
         """`on_tokens(prompt index, sample index, token ids)` hears of each engine step's new tokens (on the
         engine's thread: it must return at once)."""
-        rescored = sampling.temperature == 1.0 and (sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_tokens > 0)
+        rescored = sampling.logprobs_of == "model" and sampling.reshaped_by() is not None
         one_version = rescored or sampling.prompt_logprobs is not None
         with self._one_version.shared() if one_version else nullcontext():
             completions = self._generate(prompts, sampling, weight_version, on_tokens)
             if rescored:
-                self._untruncated(prompts, completions)
+                self._model_logprobs(prompts, completions)
         return completions
 
     def _generate(self, prompts, sampling: SamplingParams, weight_version: int, on_tokens) -> list[Completion]:
@@ -202,12 +205,12 @@ class VLLMSampler(Sampler):
                 )
         return completions
 
-    def _untruncated(self, prompts, completions: list[Completion]) -> None:
-        """vLLM reports the log-probs of the top-k/top-p truncated distribution (and, for the first min_tokens
-        tokens, of the one without stop tokens), renormalised over the tokens it kept; the trainer computes the
-        model's own. At temperature 1 the sampled tokens are scored again, by
-        one prefill of each (prefix-cached) sequence, so the behaviour log-probs are the model's, as the
-        trainer's are (`Completion.top_logprobs` stay vLLM's)."""
+    def _model_logprobs(self, prompts, completions: list[Completion]) -> None:
+        """vLLM reports the log-probs of the distribution it sampled from: after penalties, min_tokens' mask and
+        truncation, renormalised over the tokens it kept; the trainer computes the model's own. At temperature 1
+        (the backend refuses another but 0, where they are the temperature-1 ones too) the sampled tokens are
+        scored again, by one prefill of each (prefix-cached) sequence, so the behaviour log-probs are the
+        model's, as the trainer's are (`Completion.top_logprobs` stay vLLM's)."""
         scored = [i for i, c in enumerate(completions) if c.token_ids]
         plain = self.score([(list(prompts[completions[i].prompt_index]), completions[i].token_ids) for i in scored])
         for i, logprobs in zip(scored, plain):

@@ -1,8 +1,8 @@
 """The request schemas of the OpenAI- and vLLM-compatible routes, and how they become `SamplingParams`.
 
 Requests are parsed strictly: a parameter we do not know is refused, naming it,
-and so is one we know but cannot honour unless it has its neutral value (a
-`presence_penalty` of 0, say). A parameter that changes only presentation
+and so is one we know but cannot honour unless it has its neutral value (an
+empty `logit_bias`, say). A parameter that changes only presentation
 (`skip_special_tokens`, `user`, `cache_salt`) is accepted. vLLM's own field
 names and defaults are used (`vllm/entrypoints/openai/*/protocol.py`,
 `vllm/entrypoints/scale_out/token_in_token_out/protocol.py`), so its clients
@@ -20,7 +20,6 @@ from arctic_rl_core.types import MAX_TOP_LOGPROBS, SESSION_ID_CHARS, SamplingPar
 
 # Parameters accepted only at the value that leaves sampling as it is.
 NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
     "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "echo": False, "suffix": "",
     "best_of": 1, "structured_outputs": {}, "response_format": {"type": "text"}, "priority": 0, "features": {},
     "content_parts": [], "kv_transfer_params": {}, "ec_transfer_params": {}, "truncate_prompt_tokens": None,
@@ -78,6 +77,12 @@ class _Sampled(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
+    min_p: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs_of: Literal["model", "sampler"] = "model"
+    """Ours (`SamplingParams.logprobs_of`): the model's own log-probs, or the sampled distribution's."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -102,7 +107,14 @@ class _Sampled(_Request):
                   "temperature": 1.0 if self.temperature is None else self.temperature,
                   "top_p": 1.0 if self.top_p is None else self.top_p,
                   "top_k": 0 if self.top_k in (None, -1) else self.top_k}
-        return _sampling(values)
+        return _sampling({**values, **_shaping(self)})
+
+
+def _shaping(request) -> dict:
+    """The penalties, min_p and whose log-probs, as `SamplingParams` names them (a null is the default)."""
+    values = {"min_p": request.min_p, "logprobs_of": request.logprobs_of, "presence_penalty": request.presence_penalty,
+              "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _sampling(values: dict, where: str = "") -> SamplingParams:
@@ -146,6 +158,12 @@ class TokenSamplingParams(_Request):
     max_tokens: int | None = Field(16, ge=1)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs_of: Literal["model", "sampler"] = "model"
+    """Ours (`SamplingParams.logprobs_of`): the model's own log-probs, or the sampled distribution's."""
     logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     flat_logprobs: bool = False
@@ -185,7 +203,8 @@ class TokenGenerateRequest(_Request):
                           "stop_token_ids": sp.stop_token_ids or [], "max_tokens": max_tokens,
                           "min_tokens": sp.min_tokens, "ignore_eos": sp.ignore_eos,
                           "logprobs": max(sp.logprobs or 0, 0),
-                          "prompt_logprobs": None if sp.prompt_logprobs is None else max(sp.prompt_logprobs, 0)},
+                          "prompt_logprobs": None if sp.prompt_logprobs is None else max(sp.prompt_logprobs, 0),
+                          **_shaping(sp)},
                          "sampling_params.")
 
 

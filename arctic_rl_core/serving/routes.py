@@ -104,8 +104,9 @@ class Serving:
 
     def generate(self, api, executor, prompts: list[list[int]], sampling: SamplingParams,
                  on_tokens: Callable | None = None) -> Awaitable[list[Completion]]:
-        """A sampler that batches continuously (vLLM's engine) takes each request as its own call, at once: it joins
-        the running batch (and tells `on_tokens` of each step's tokens). Others take the calls the coalescer gathers."""
+        """A sampler that batches continuously (vLLM's engine, a pool of them) takes each request as its own call, at
+        once: it joins the running batch (and tells `on_tokens` of each step's tokens where the sampler streams them).
+        Others take the calls the coalescer gathers."""
         if not api.sampler.continuous_batching:
             return self.coalescer(api, executor).generate(prompts, sampling)
         if self._callers is None:
@@ -194,9 +195,9 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         return req, api, check_model(api, req.model)
 
     def streams(req, api) -> bool:
-        """Whether the request's text is sent as the engine samples it (`stream` on a continuously batched
-        sampler; log-probs and tool calls, read off the whole reply, come whole at the end)."""
-        return (bool(req.stream) and api.sampler.continuous_batching and req.logprobs in (None, False)
+        """Whether the request's text is sent as the engine samples it (`stream` on a sampler that streams tokens;
+        log-probs and tool calls, read off the whole reply, come whole at the end)."""
+        return (bool(req.stream) and api.sampler.streams_tokens and req.logprobs in (None, False)
                 and req.prompt_logprobs is None)
 
     def stream_as_sampled(api, route: str, prompts: list[list[int]], sampling: SamplingParams, session: str | None,

@@ -82,13 +82,13 @@ def check_context(client: ArcticRLClient, prompt_length: int, response_length: i
 
 def to_sampling_params(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
     """verl's per-request sampling dict as Arctic RL's `SamplingParams` (one sample per request)."""
-    if params.get("repetition_penalty", 1.0) != 1.0:
-        raise ValueError("arctic_rl does not support repetition_penalty")
     top_k = int(params.get("top_k", -1))
+    shaping = {name: float(params[name]) for name in ("repetition_penalty", "presence_penalty", "frequency_penalty",
+                                                      "min_p") if params.get(name) is not None}
     return SamplingParams(
         n=1, temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
         top_k=max(top_k, 0), max_tokens=int(params.get("max_tokens") or params.get("max_new_tokens") or default_max_tokens),
-        stop_token_ids=list(params.get("stop_token_ids") or []), seed=params.get("seed"),
+        stop_token_ids=list(params.get("stop_token_ids") or []), seed=params.get("seed"), **shaping,
     )
 
 
