@@ -198,7 +198,7 @@ class InProcessBackend(TrainingAPI):
                 )
         reshaped = params.reshaped_by()
         if (reshaped and params.logprobs_of == "model" and params.temperature not in (0.0, 1.0)
-                and not self.sampler.exact_truncated_logprobs):
+                and not self.sampler.exact_reshaped_logprobs):
             raise InvalidRequest(f"sampling.{reshaped}", f"the {self.config.sampler.name} sampler's log-probs under "
                                  f"{reshaped} at temperature {params.temperature} are not the model's own: sample at "
                                  "temperature 1, or ask for the sampled distribution's (sampling.logprobs_of: sampler)")

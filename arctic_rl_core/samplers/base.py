@@ -14,7 +14,7 @@ class Sampler(ABC):
     max_context: int
     sync_route: str
     """How `load_weights` moves weights (reported by `status`)."""
-    exact_truncated_logprobs: bool = True
+    exact_reshaped_logprobs: bool = True
     """Whether its `logprobs_of: model` log-probs are the model's own (temperature-scaled) at every temperature when
     sampling is reshaped (`SamplingParams.reshaped_by`: truncation, min_p, min_tokens, penalties); where not, the
     backend refuses such a request by name rather than report other numbers."""

@@ -49,7 +49,7 @@ class SamplerReplica:
 
     def facts(self) -> dict:
         return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
-                "sync_route": self.sampler.sync_route, "exact_truncated_logprobs": self.sampler.exact_truncated_logprobs,
+                "sync_route": self.sampler.sync_route, "exact_reshaped_logprobs": self.sampler.exact_reshaped_logprobs,
                 "continuous_batching": self.sampler.continuous_batching,
                 "unsupported_sampling": sorted(self.sampler.unsupported_sampling)}
 

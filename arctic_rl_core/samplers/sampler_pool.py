@@ -412,8 +412,8 @@ class SamplerPool(Sampler):
         ray.get([s.actor.wake_up.remote() for s in self._slots if s.healthy])
 
     @property
-    def exact_truncated_logprobs(self) -> bool:
-        return all(slot.facts.get("exact_truncated_logprobs", True) for slot in self._slots)
+    def exact_reshaped_logprobs(self) -> bool:
+        return all(slot.facts.get("exact_reshaped_logprobs", True) for slot in self._slots)
 
     @property
     def unsupported_sampling(self) -> frozenset[str]:

@@ -63,7 +63,7 @@ def _top(step: dict, k: int) -> list[tuple[int, float]]:
 class VLLMSampler(Sampler):
     # vLLM reports log-probs after penalties, truncation and min_tokens' masking (renormalised); at temperature 0
     # or 1 the model's own are had by scoring again (`_model_logprobs`), at another one they cannot be.
-    exact_truncated_logprobs = False
+    exact_reshaped_logprobs = False
     concurrent_generate = True  # every call's requests join the one running batch
     continuous_batching = True
     streams_tokens = True
