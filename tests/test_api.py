@@ -111,7 +111,7 @@ def test_bad_input_names_the_field_and_changes_no_state(make_api):
     with pytest.raises(InvalidRequest, match="no gradients"):
         backend.step()
     assert backend.state_digest() == digest
-    with pytest.raises(UnknownName, match="known: gmpo, grpo, importance_sampling, sft"):
+    with pytest.raises(UnknownName, match="known: gmpo, grpo, importance_sampling, primerl_default, primerl_ipo, sft"):
         backend.fwd_bwd(grpo_batch(), LossSpec(name="no_such_loss"))
     # Still serving after all of that.
     backend.fwd_bwd(grpo_batch(), "grpo")

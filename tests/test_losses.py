@@ -356,3 +356,37 @@ def test_importance_weights_multiply_each_tokens_policy_gradient_term():
     loss, _ = grpo_loss({"logprobs": logp}, inputs, config)
     # On policy: pg = -A at ratio 1, weighted; the KL term is not weighted.
     assert loss.item() == pytest.approx((-2.0 + 0.5) / 2 + 0.1 * math.log(2), rel=1e-6)
+
+
+def test_primerl_default_masks_by_probability_moved_in_the_advantage_direction_and_keeps_the_kl_term():
+    """prime-rl's DPPO-Binary-TV + KL on four tokens sampled at p = 0.5 (its own parity test is in compat_tests/primerl).
+    p: 0.8 with A = 1 (moved up 0.3 > 0.2: masked), 0.6 with A = 1 (kept), 0.2 with A = -1 (moved down 0.3: masked),
+    0.45 with A = -1, loss-masked out."""
+    from arctic_rl_core.losses.primerl import PrimeRLDefaultConfig, primerl_default_loss
+
+    p = [0.8, 0.6, 0.2, 0.45]
+    logp = logp_leaf([math.log(x) for x in p])
+    inputs = make_inputs([0, 0, 1, 1], mask=[1, 1, 1, 0], advantages=[1.0, 1.0, -1.0, -1.0],
+                         behaviour_logprobs=[math.log(0.5)] * 4)
+    loss, metrics = primerl_default_loss({"logprobs": logp}, inputs, PrimeRLDefaultConfig(kl_tau=0.1))
+    l = [math.log(x / 0.5) for x in p]
+    expected = (-1.2 + 0.1 * (l[0] ** 2 + l[1] ** 2 + l[2] ** 2)) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert float(metrics["is_masked"]) == pytest.approx(2 / 3)
+    assert float(metrics["is_masked_high"]) == pytest.approx(1 / 3)
+    assert float(metrics["is_masked_low"]) == pytest.approx(1 / 3)
+    loss.backward()
+    # d/dlogp: -A r on kept tokens, 2 kl_tau l everywhere trained, over 3 tokens; nothing for the masked-out one.
+    grad = [0.2 * l[0] / 3, (-1.2 + 0.2 * l[1]) / 3, 0.2 * l[2] / 3, 0.0]
+    assert torch.allclose(logp.grad, torch.tensor(grad), atol=1e-6)
+
+
+def test_primerl_ipo_masks_by_the_absolute_move_whatever_the_advantage():
+    from arctic_rl_core.losses.primerl import PrimeRLIPOConfig, primerl_ipo_loss
+
+    p = [0.65, 0.55, 0.35]  # moved 0.15 (masked at 0.1), 0.05 (kept), 0.15 (masked)
+    logp = logp_leaf([math.log(x) for x in p])
+    inputs = make_inputs([0, 1, 2], advantages=[1.0, -2.0, -1.0], behaviour_logprobs=[math.log(0.5)] * 3)
+    loss, metrics = primerl_ipo_loss({"logprobs": logp}, inputs, PrimeRLIPOConfig(adv_tau=0.5, kl_tau=0.0))
+    assert loss.item() == pytest.approx(0.5 * 2.0 * 1.1 / 3, rel=1e-6)
+    assert float(metrics["is_masked"]) == pytest.approx(2 / 3)

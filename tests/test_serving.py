@@ -208,6 +208,12 @@ def test_update_weights_syncs_and_completions_report_the_new_version(server, sdk
     assert httpx.get(f"{url}/get_world_size").json() == {"world_size": 1}
     refused = httpx.post(f"{url}/update_weights", json={"update_info": {"names": ["x"]}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "update_info"
+    # prime-rl's orchestrator names the folder it saw published: the weights are already here, nothing is synced
+    # or read from it.
+    named = httpx.post(f"{url}/update_weights", json={"weight_dir": "/nonexistent/broadcasts/step_3"}, timeout=60)
+    assert named.status_code == 200 and named.json()["weight_version"] == before + 1 == backend.weight_version
+    refused = httpx.post(f"{url}/update_weights", json={"weight_dir": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "weight_dir"
 
 
 def test_concurrent_requests_are_sampled_in_one_call_each_answered_on_its_own(server, server_thread):

@@ -505,11 +505,18 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
     @app.post("/update_weights")
     async def update_weights(request: Request):
         body = await read_json(request)
-        if body:
-            raise InvalidRequest(next(iter(body)) if isinstance(body, dict) else "body",
-                                 "this server's weights come from its own trainer: update_weights takes no body and "
-                                 "syncs them (sync_weights)")
+        extra = next((k for k in body if k != "weight_dir"), None) if isinstance(body, dict) else "body"
+        if extra is not None:
+            raise InvalidRequest(extra, "this server's weights come from its own trainer: update_weights takes no "
+                                        "body (it syncs them) or only weight_dir")
         api = api_of()
+        if isinstance(body, dict) and "weight_dir" in body:
+            # prime-rl's orchestrator posts the folder whose STABLE marker it saw. Our trainer writes that marker
+            # only after it synced the sampler, so the weights are here already; nothing is read from the folder.
+            if not isinstance(body["weight_dir"], (str, type(None))):
+                raise InvalidRequest("weight_dir", "must be a path or null")
+            return {"message": "Weights are the trainer's, synced before it published them",
+                    "weight_version": api.weight_version}
         version = await run_in(job.ordered, api.sync_weights)
         return {"message": "Weights updated", "weight_version": version}
 

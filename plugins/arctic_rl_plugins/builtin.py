@@ -6,13 +6,14 @@ plugin, so `arctic-rl plugins` shows built-ins and extensions alike.
 
 from __future__ import annotations
 
-from arctic_rl_core.losses import gmpo, grpo, importance_sampling, post_processors, sft, value
+from arctic_rl_core.losses import gmpo, grpo, importance_sampling, post_processors, primerl, sft, value
 from arctic_rl_core.plugins.hookspecs import hookimpl
 
 
 @hookimpl
 def arctic_rl_loss_fns():
-    return [sft.sft_loss, importance_sampling.importance_sampling_loss, grpo.grpo_loss, gmpo.gmpo_loss, value.value_loss]
+    return [sft.sft_loss, importance_sampling.importance_sampling_loss, grpo.grpo_loss, gmpo.gmpo_loss,
+            primerl.primerl_default_loss, primerl.primerl_ipo_loss, value.value_loss]
 
 
 @hookimpl
