@@ -1,0 +1,1 @@
+"""Import-only stub (see torchtitan/__init__.py)."""
