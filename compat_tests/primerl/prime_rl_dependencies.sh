@@ -18,15 +18,8 @@ if [ ! -f "$PRIME_RL" ] || [ ! -f "$VERIFIERS" ]; then
   echo "compat_tests/primerl: prime-rl's archives are not in $VENDOR (set ARCTIC_RL_VENDOR): prime-rl is not on the package index" >&2
   exit 3
 fi
-PYTHON=${PRIMERL_PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  for candidate in python3.12 $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null); do
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-      PYTHON=$candidate
-      break
-    fi
-  done
-fi
+source compat_tests/python312.sh
+PYTHON=${PRIMERL_PYTHON:-$(python312)}
 [ -n "$PYTHON" ] || { echo "compat_tests/primerl: prime-rl needs Python 3.12 and none runs here (set PRIMERL_PYTHON)" >&2; exit 1; }
 
 rm -rf "$VENV"

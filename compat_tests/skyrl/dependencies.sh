@@ -4,16 +4,8 @@
 # root, by run.sh and by `make compat-dependencies` (which CI runs beside the test suites).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# A Python 3.12 that runs (a pyenv shim answers `command -v` without one being selected).
-PYTHON=${SKYRL_PYTHON:-}
-if [ -z "$PYTHON" ]; then
-  for candidate in python3.12 $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null); do
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-      PYTHON=$candidate
-      break
-    fi
-  done
-fi
+source compat_tests/python312.sh
+PYTHON=${SKYRL_PYTHON:-$(python312)}
 if [ -z "$PYTHON" ]; then
   echo "compat_tests/skyrl: skyrl 0.4.0 needs Python 3.12 and none runs here (set SKYRL_PYTHON)" >&2
   exit 1
