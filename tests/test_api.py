@@ -139,6 +139,11 @@ def test_generate_contract(make_api, tiny_model):
         assert c.weight_version == 0
     again = backend.generate([[5, 6, 7], [8, 9]], SamplingParams(n=3, max_tokens=5, seed=7, temperature=0.8, top_k=50))
     assert [c.token_ids for c in again] == [c.token_ids for c in out]
+    # Unseeded calls draw anew: a GRPO group sent as separate requests (prime-rl's orchestrator) is not one sample
+    # repeated. Equal draws by chance: about 50^-15 at this temperature and top-k.
+    unseeded = [backend.generate([[5, 6, 7]], SamplingParams(n=3, max_tokens=5, temperature=0.8, top_k=50))
+                for _ in range(2)]
+    assert [c.token_ids for c in unseeded[0]] != [c.token_ids for c in unseeded[1]]
     greedy = backend.generate([[5, 6, 7], [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0))
     assert greedy[0].token_ids == greedy[1].token_ids
     with pytest.raises(InvalidRequest) as err:  # vLLM refuses it: here, before any sampler sees it

@@ -78,7 +78,9 @@ class TransformersSampler(Sampler):
         completions = []
         self._abort.clear()
         aborted = _Aborted(self._abort)
-        with torch.random.fork_rng(devices=[]):
+        # A seeded call samples from its own generator state and leaves the process's as it was; an unseeded one
+        # draws from the process's, which moves on: forking it there too would replay the same draws every call.
+        with torch.random.fork_rng(devices=[], enabled=sampling.seed is not None):
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
             for index, prompt in enumerate(prompts):
