@@ -133,6 +133,13 @@ def test_the_token_route_speaks_vllms_own_schema(server):
         assert choice.weight_versions[0].version == str(backend.weight_version)
         # PrimeRL's renderers client reads each entry's token as "token_id:<id>".
     assert all(e["token"] == f"token_id:{e['token_id']}" for c in raw.json()["choices"] for e in c["logprobs"]["content"])
+    # prime-rl's orchestrator adds these to every policy request's sampling_params (renderers forwards them).
+    primerl = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 3, "top_k": -1, "min_p": 0.0, "return_token_ids": True,
+               "cache_salt": "3", "stop_token_ids": [0], "logprobs": 1, "skip_special_tokens": False}
+    raw = httpx.post(f"{url}/inference/v1/generate", json={"model": MODEL, "token_ids": prompt, "sampling_params": primerl},
+                     timeout=60)
+    assert raw.status_code == 200, raw.text
+    assert 1 <= len(raw.json()["choices"][0]["token_ids"]) <= 3
 
 
 def test_tokenize_and_detokenize_as_vllm_answers_them(server, tiny_model):

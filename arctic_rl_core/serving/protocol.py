@@ -178,6 +178,11 @@ class TokenSamplingParams(_Request):
     skip_reading_prefix_cache: bool | None = None
     routed_experts_prompt_start: int | None = None
     trace_decode_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    """These two prime-rl's orchestrator puts in every policy request's `sampling_params`, where vLLM's
+    `SamplingParams` drops them as unknown keys: this route returns token ids whatever the first says, and the
+    sampler's prefix cache never outlives a weight version, which is what the salt is for."""
 
 
 class TokenGenerateRequest(_Request):
