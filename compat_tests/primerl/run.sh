@@ -20,4 +20,5 @@ fi
 # The client and the adapter's own distribution, into prime-rl's environment.
 "$PRIME_RL/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/primerl
 "$PRIME_RL/bin/python" -m pip install --quiet . ./adapters/primerl
-WANDB_MODE=offline "$PRIME_RL/bin/python" -m pytest -q -p no:cacheprovider compat_tests/primerl/test_trainer_boundary.py "$@"
+WANDB_MODE=offline "$PRIME_RL/bin/python" -m pytest -q -p no:cacheprovider compat_tests/primerl/test_trainer_boundary.py \
+  compat_tests/primerl/test_orchestrator.py "$@"

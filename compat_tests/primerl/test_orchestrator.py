@@ -1,0 +1,108 @@
+"""prime-rl's own orchestrator trains through Arctic RL: its console scripts and stock code, end to end.
+
+Four processes, as a user runs them (docs/primerl.md): `arctic-rl serve` (main environment) with a job on the tiny
+Qwen3, prime-rl's `env-server` serving the `arctic_letters` taskset (this folder, on PYTHONPATH), prime-rl's
+`orchestrator` sampling from the server's token route and sending batches on its transport, and
+`arctic-rl-primerl-trainer` training them through the server and publishing `broadcasts/step_n/STABLE`, which the
+orchestrator's weight watcher turns into `/update_weights`. Runs in prime-rl's environment (run.sh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from compat_tests.main_server import free_port, serving_light
+
+STEPS = 6
+LEARNING_RATE = 2e-2
+"""High for the tiny model: the letters' share rises within the six steps (measured: docs/benchmarks.md)."""
+RUN_TIMEOUT_S = 600
+BIN = Path(sys.executable).parent
+
+
+def _configs(work: Path, model: str, url: str, transport: str) -> dict[str, Path]:
+    """The three TOMLs: the env server's, the orchestrator's (no [trainer], no [inference]) and the trainer's."""
+    out, env_address = work / "run", f"tcp://127.0.0.1:{free_port()}"
+    shared = (f'output_dir = "{out}"\nmax_steps = {STEPS}\n[model]\nname = "{model}"\n'
+              f'[rollout_transport]\ntype = "{transport}"\n' + (f"port = {free_port()}\n" if transport == "zmq" else ""))
+    env = '[env.taskset]\nid = "arctic_letters"\n[env.agent.runtime]\ntype = "subprocess"\n'
+    texts = {
+        "env": f'output_dir = "{out}"\n{env}[serve]\naddress = "{env_address}"\n[serve.pool]\ntype = "static"\n'
+               "num_workers = 1\n",
+        "orchestrator": ("seq_len = 512\nbatch_size = 32\ngroup_size = 8\nnum_train_workers = 1\n"
+                         f"collect_inference_metrics = false\n{shared}[model.client]\nbase_url = \"{url}/v1\"\n"
+                         '[renderer]\nname = "qwen3"\n[train.sampling]\nmax_completion_tokens = 16\n'
+                         '[[train.source]]\nname = "letters"\n' + env.replace("[env.", "[train.source.env.")
+                         + f'[train.source.serve]\naddress = "{env_address}"\n[weight_broadcast]\ntype = "filesystem"\n'),
+        "trainer": f"{shared}[optim]\nlr = {LEARNING_RATE}\n",
+    }
+    paths = {}
+    for name, text in texts.items():
+        paths[name] = work / f"{name}.toml"
+        paths[name].write_text(text)
+    return paths
+
+
+def _run(work: Path, model: str, url: str, transport: str) -> dict[str, int]:
+    """The env server, the orchestrator and the trainer until the last two end; each one's exit code."""
+    configs = _configs(work, model, url, transport)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.getcwd()])}
+    commands = {"env": [BIN / "env-server", "@", configs["env"]],
+                "orchestrator": [BIN / "orchestrator", "@", configs["orchestrator"]],
+                "trainer": [BIN / "arctic-rl-primerl-trainer", "--arctic-rl-url", url, "@", configs["trainer"]]}
+    procs = {name: subprocess.Popen(command, env=env, stdout=open(work / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+             for name, command in commands.items()}
+    deadline = time.time() + RUN_TIMEOUT_S
+    try:
+        while time.time() < deadline and any(procs[n].poll() is None for n in ("orchestrator", "trainer")):
+            if any(procs[n].poll() not in (None, 0) for n in procs):
+                break  # one failed: the other would wait for it until the deadline
+            time.sleep(1)
+        return {name: proc.poll() for name, proc in procs.items() if name != "env"}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "filesystem"])
+def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, tiny_model, tmp_path):
+    """Six steps: every batch reaches the trainer on the transport, every step's weights land through STABLE and
+    the orchestrator's `/update_weights`, the orchestrator's reward rises, and ZoRRo computes each shared prompt
+    once (the trainer's log)."""
+    engine = {"learning_rate": LEARNING_RATE, "weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0}
+    (tmp_path / "server").mkdir()
+    with serving_light(tiny_model, tmp_path / "server", engine) as url:
+        codes = _run(tmp_path, tiny_model, url, transport)
+    logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}
+    assert codes == {"orchestrator": 0, "trainer": 0}, (codes, logs["orchestrator"][-3000:], logs["trainer"][-3000:])
+
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "train/agg/all/agent/reward/mean" in m]
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    assert all(m["train/agg/all/has_error/mean"] == 0 for m in steps)
+    rewards = [m["train/agg/all/agent/reward/mean"] for m in steps]
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.02, rewards
+
+    records = [json.loads(line) for line in (run / "arctic_rl_trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["samples"] == 32 and r["computed_tokens"] < r["unshared_tokens"] for r in records), records
+    assert all((run / "broadcasts" / f"step_{n}" / "STABLE").exists() for n in range(STEPS + 1))
+    # The orchestrator's weight watcher saw each version and asked the server to load it (prime-rl logs it).
+    assert "Updating policy in-flight to v" in logs["orchestrator"]
+    sent = sorted(p.name for p in (run / "rollouts").glob("step_*/rank_0.bin")) if (run / "rollouts").exists() else []
+    assert (len(sent) == STEPS) if transport == "filesystem" else sent == []
