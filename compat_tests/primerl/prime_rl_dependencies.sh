@@ -2,8 +2,9 @@
 # prime-rl 0.8.0 (559b447) itself in a Python 3.12 environment of its own, for the trainer-side tests: its packer,
 # senders, loss functions and orchestrator. prime-rl is not on the package index: its source and the verifiers
 # commit it pins come from the vendored archives ($ARCTIC_RL_VENDOR, else ../shared/vendor beside the repository).
-# Its dependencies come from the index at prime-rl's uv.lock versions, less what the index cannot serve (git-only
-# or CUDA-only; stubs/README.md names each and the two import-only stubs that stand in). vLLM is installed
+# Its dependencies come from the index at prime-rl's uv.lock versions (torch excepted: SkyRL's, see below), less
+# what the index cannot serve (git-only or CUDA-only; stubs/README.md names each and the two import-only stubs
+# that stand in). vLLM is installed
 # without its dependency closure: the orchestrator imports it, nothing here runs it. Built once (a stamp marks
 # it); exits 3 when the archives are not on this machine.
 set -euo pipefail
