@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from arctic_rl_core.backend import InProcessBackend
 from arctic_rl_core.engines.distributed import free_loopback_port
@@ -101,6 +102,14 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
                 [turn] = api.episode(f"s{i}").turns
                 assert (turn.prompt_ids, turn.token_ids) == (PROMPTS[i], choice["token_ids"])
             assert server.app.state.serving.describe()["generate_calls"] == len(PROMPTS)
+            # /metrics: each replica's vLLM families, told apart by their engine label, as one exposition.
+            tokens = {}
+            for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
+                if family.name == "vllm:generation_tokens":
+                    for sample in family.samples:
+                        if sample.name.endswith("_total"):
+                            tokens[sample.labels["engine"]] = tokens.get(sample.labels["engine"], 0) + sample.value
+            assert set(tokens) == {"0", "1"} and min(tokens.values()) > 0, tokens  # both replicas sampled
     finally:
         api.close()
     assert not ray.is_initialized()

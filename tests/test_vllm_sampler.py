@@ -110,6 +110,12 @@ def test_served_requests_join_the_running_batch_and_an_abort_returns_their_parti
     assert result["aborted_err"] <= 1e-3, result
     assert result["after"] == "length"
     assert result["generate_calls"] == result["requests"] == 10  # one call each: nothing gathered them
+    # /metrics (vLLM's names): it saw the 4 long requests running; now nothing runs or waits, every sampled token
+    # is counted, and the KV cache's size is there to read (64 MiB of the tiny model's blocks).
+    assert result["metrics_after"] == [0, 0], result
+    generation_tokens, sampled = result["metrics_generation_tokens"]
+    assert generation_tokens >= sampled > 0, result
+    assert result["metrics_kv_tokens"] > 1000, result
 
 
 @pytest.mark.scenario

@@ -217,6 +217,8 @@ def serving_batch(model_dir):
         for t in longs:
             t.start()
         _wait_until(lambda: api.sampler.requests_in_flight() == 4)
+        # vLLM's own metrics, as `vllm serve` exposes them: the engine reports the 4 requests it runs.
+        _wait_until(lambda: engine_gauges(url)[0].get("vllm:num_requests_running") == 4, timeout_s=60)
         shorts = [threading.Thread(target=complete, args=(f"short{i}", [50 + i, 6, 7], 4)) for i in range(4)]
         for t in shorts:
             t.start()
@@ -232,13 +234,39 @@ def serving_batch(model_dir):
         scored = api.log_probs([{"prompt_ids": [5 + i, 6, 7, 8], "response_ids": c["token_ids"]}
                                 for i, c in enumerate(aborted)])
         status = httpx.get(f"{url}/v1/status", timeout=30).json()["serving"]
+        gauges, counters, cache_config = engine_gauges(url)
+    sampled = sum(len(answer["choices"][0]["token_ids"]) for answer in out.values())
     return {"running_after_shorts": running_after_shorts,
+            "metrics_after": [gauges["vllm:num_requests_running"], gauges["vllm:num_requests_waiting"]],
+            "metrics_generation_tokens": [counters["vllm:generation_tokens"], sampled],
+            "metrics_kv_tokens": int(cache_config["num_gpu_blocks"]) * int(cache_config["block_size"]),
             "short_tokens": [len(out[f"short{i}"]["choices"][0]["token_ids"]) for i in range(4)],
             "aborted_finish": sorted({c["finish_reason"] for c in aborted}),
             "aborted_tokens": [len(c["token_ids"]) for c in aborted],
             "aborted_err": max_err([c["logprobs"]["token_logprobs"] for c in aborted], scored.logprobs),
             "after": out["after"]["choices"][0]["finish_reason"], "generate_calls": status["generate_calls"],
             "requests": status["requests"]["completions"]}
+
+
+def engine_gauges(url):
+    """The server's /metrics, read as Prometheus readers read it: engine 0's gauges and counters by family name,
+    and its `vllm:cache_config_info` labels."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    answer = httpx.get(f"{url}/metrics", timeout=30)
+    answer.raise_for_status()
+    gauges, counters, cache_config = {}, {}, {}
+    for family in text_string_to_metric_families(answer.text):
+        for sample in family.samples:
+            if sample.labels.get("engine") != "0" or sample.name.endswith("_created"):
+                continue
+            if family.name == "vllm:cache_config_info":
+                cache_config = sample.labels
+            elif family.type in ("gauge", "counter"):
+                into = gauges if family.type == "gauge" else counters
+                into[family.name] = into.get(family.name, 0) + sample.value
+    return gauges, counters, cache_config
 
 
 def streaming(model_dir):

@@ -65,6 +65,11 @@ class Sampler(ABC):
     def resume_generation(self) -> None:
         """End what `pause_generation` began."""
 
+    def engine_metrics(self) -> str:
+        """Its engine's Prometheus metrics in the text format, named as vLLM names them
+        (`arctic_rl_core.samplers.engine_metrics`); empty where it has none."""
+        return ""
+
     def sleep(self) -> None:
         """Release what generation holds (KV cache) while training runs; a sampler may have nothing to release."""
 

@@ -63,6 +63,9 @@ class SamplerReplica:
     def abort_generation(self) -> bool:
         return self.sampler.abort_generation()  # not under _busy: it ends the call that holds it
 
+    def engine_metrics(self) -> str:
+        return self.sampler.engine_metrics()  # not under _busy: a scrape never waits for a call
+
     def score(self, sequences):
         with self._call():
             return self.sampler.score(sequences)

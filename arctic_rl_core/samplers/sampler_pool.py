@@ -35,6 +35,7 @@ import torch
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.samplers.engine_metrics import relabelled
 from arctic_rl_core.samplers.prefix_affinity import PrefixIndex, block_hashes
 from arctic_rl_core.samplers.replica import SamplerReplica, node_address
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
@@ -434,6 +435,12 @@ class SamplerPool(Sampler):
         except Exception as err:  # a dead replica is found and replaced by the next call, as always
             log.warning("abort_generation did not reach every replica: %s", err)
             return False
+
+    def engine_metrics(self) -> str:
+        """Every live replica's engine metrics, its samples labelled `engine` with the replica's index."""
+        with self._changed:
+            slots = [s for s in self._slots if s.state in ("ready", "stale")]
+        return relabelled({str(slot.index): text for slot, text in self._each_result(slots, "engine_metrics")})
 
     # -- status ----------------------------------------------------------------------------------
 

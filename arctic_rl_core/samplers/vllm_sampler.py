@@ -28,6 +28,7 @@ from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.samplers.engine_metrics import vllm_exposition
 from arctic_rl_core.samplers.vllm_engine_loop import EngineLoop
 from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
@@ -96,6 +97,7 @@ class VLLMSampler(Sampler):
             model=config.model_path, dtype=sc.dtype or config.engine.dtype, seed=config.engine.seed,
             max_model_len=self.max_context, enable_prefix_caching=True, enforce_eager=not self.cuda,
             logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION,
+            disable_log_stats=False,  # the engine's Prometheus metrics (`engine_metrics`, the server's /metrics)
             enable_sleep_mode=sc.sleep_during_training, **memory,
             **{**cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}), **sc.engine_args},
         )
@@ -164,6 +166,11 @@ class VLLMSampler(Sampler):
         self._loop.release()
         self._paused = False
         self._one_version.__exit__(None, None, None)
+
+    def engine_metrics(self) -> str:
+        """vLLM's own `vllm:*` families, recorded by its engine in this process at every step. (vLLM keeps one set
+        per process: where a process built several engines, the last one's.)"""
+        return vllm_exposition()
 
     def requests_in_flight(self) -> int:
         """Prompts the engine is sampling for callers now."""

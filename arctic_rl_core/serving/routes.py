@@ -3,8 +3,9 @@
 - `/v1/completions`, `/v1/chat/completions` (OpenAI's schema, vLLM's extensions: `return_token_ids`,
   `return_tokens_as_token_ids`, `prompt_logprobs`), streamed as server-sent events on request;
 - `/inference/v1/generate`: vLLM 0.32's token-in, token-out route (SkyRL's and PrimeRL's rollouts);
-- `/v1/models`, `/health`, and the RL control routes `/pause`, `/resume`, `/is_paused`, `/update_weights`
-  (the job's `sync_weights`), `/weight_info`, `/get_world_size`.
+- `/v1/models`, `/health`, `/metrics` (the engines' Prometheus metrics, vLLM's names), and the RL control
+  routes `/pause`, `/resume`, `/is_paused`, `/update_weights` (the job's `sync_weights`), `/weight_info`,
+  `/get_world_size`.
 
 Every completion reports the weight version that sampled it as vLLM's `weight_versions` spans. A request
 naming a session (`session_id`, or the `X-Session-Id` header) records its prompt's token ids and its
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.serving.coalesce import Coalescer
@@ -256,6 +257,14 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
     async def health():
         api_of()
         return JSONResponse({})
+
+    @app.get("/metrics")
+    async def metrics():
+        """The sampler's engine metrics in Prometheus' text format, under vLLM's names (`vllm:num_requests_running`,
+        `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`, ...), one `engine` label per replica."""
+        api = api_of()
+        return PlainTextResponse(await asyncio.to_thread(api.sampler.engine_metrics),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models():
