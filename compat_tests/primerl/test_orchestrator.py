@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from compat_tests.main_server import free_port, serving_light
+from compat_tests.main_server import free_port, serving
 
 STEPS = 6
 LEARNING_RATE = 2e-2
@@ -77,14 +78,16 @@ def _run(work: Path, model: str, url: str, transport: str) -> dict[str, int]:
                     proc.kill()
 
 
-@pytest.mark.parametrize("transport", ["zmq", "filesystem"])
-def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, tiny_model, tmp_path):
+@pytest.mark.parametrize("transport, sampler", [("zmq", "vllm"), ("filesystem", "transformers")])
+def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, sampler, tiny_model, tmp_path):
     """Six steps: every batch reaches the trainer on the transport, every step's weights land through STABLE and
     the orchestrator's `/update_weights`, the orchestrator's reward rises, and ZoRRo computes each shared prompt
-    once (the trainer's log)."""
+    once (the trainer's log). With vLLM sampling, the orchestrator sizes its concurrency from the server's
+    /metrics (KV cache capacity and load, under vLLM's names)."""
     engine = {"learning_rate": LEARNING_RATE, "weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0}
     (tmp_path / "server").mkdir()
-    with serving_light(tiny_model, tmp_path / "server", engine) as url:
+    job = {"model_path": tiny_model, "engine": engine, "sampler": {"name": sampler, "kv_cache_mb": 64}}
+    with serving(job, tmp_path / "server") as url:
         codes = _run(tmp_path, tiny_model, url, transport)
     logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}
     assert codes == {"orchestrator": 0, "trainer": 0}, (codes, logs["orchestrator"][-3000:], logs["trainer"][-3000:])
@@ -104,5 +107,10 @@ def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, tiny_model, 
     assert all((run / "broadcasts" / f"step_{n}" / "STABLE").exists() for n in range(STEPS + 1))
     # The orchestrator's weight watcher saw each version and asked the server to load it (prime-rl logs it).
     assert "Updating policy in-flight to v" in logs["orchestrator"]
+    if sampler == "vllm":
+        # prime-rl's concurrency controller read the engine's KV capacity off /metrics and sized its in-flight cap
+        # by it (without those metrics the cap stays at min_inflight, one episode at a time).
+        derived = re.search(r"Derived initial max inflight (\d+)", logs["orchestrator"])
+        assert derived and int(derived.group(1)) > 1, logs["orchestrator"][-3000:]
     sent = sorted(p.name for p in (run / "rollouts").glob("step_*/rank_0.bin")) if (run / "rollouts").exists() else []
     assert (len(sent) == STEPS) if transport == "filesystem" else sent == []
