@@ -31,6 +31,20 @@ def test_grpo_step_changes_weights_and_sync_bumps_version(make_backend):
     assert all(torch.equal(sampler[n], after[n]) for n in after)
 
 
+def test_deepspeeds_backend_is_up_without_compiling_its_shared_memory_all_reduce(make_backend):
+    """On CPU DeepSpeed would compile a C++ extension at its first init_distributed (minutes on a small machine)
+    for an all-reduce only its inference path uses: the engine starts without it, as a recorded patch."""
+    import deepspeed.comm.comm as ds_comm
+
+    from arctic_rl_core.patches import applied
+
+    make_backend()
+    assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
+    if not torch.cuda.is_available():
+        [row] = [r for r in applied() if r["patch"] == "deepspeed.ops.__compatible_ops__['deepspeed_shm_comm']"]
+        assert row["by"] == "arctic_rl_core.engines.distributed"
+
+
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 1e-2}}}  # updates proportional to the gradient
 
 

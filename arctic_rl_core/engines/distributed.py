@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 
-from arctic_rl_core.patches import environment_default
+from arctic_rl_core.patches import environment_default, set_item
 
 
 def free_loopback_port() -> int:
@@ -26,6 +26,8 @@ def free_port() -> int:
         s.bind(("", 0))
         return s.getsockname()[1]
 
+
+_SHM_ALL_REDUCE = "deepspeed_shm_comm"  # DeepSpeed's op builder name
 
 RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -60,5 +62,11 @@ def init_distributed() -> None:
         for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                             ("MASTER_PORT", str(free_loopback_port()))):
             environment_default(name, value, why, __name__)
+    if not torch.cuda.is_available() and deepspeed.ops.__compatible_ops__.get(_SHM_ALL_REDUCE):
+        # DeepSpeed's CPU backend compiles its shared-memory all-reduce (a C++ extension: 1-2 minutes on a small
+        # machine, again whenever torch or the environment's path changes) at its first init_distributed. Only its
+        # inference_all_reduce uses it, which training never calls; the collectives we use are gloo's.
+        set_item(deepspeed.ops.__compatible_ops__, _SHM_ALL_REDUCE, False, "DeepSpeed: do not compile the "
+                 "shared-memory all-reduce (only inference_all_reduce uses it)", __name__, "deepspeed.ops.__compatible_ops__")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
