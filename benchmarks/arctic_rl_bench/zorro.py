@@ -90,6 +90,9 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
             "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": args["micro_batch_tokens"],
                        "grad_clip": None, "gradient_checkpointing": args["gradient_checkpointing"]},
             "zorro": zorro,
+            # Nothing here samples: the lightest sampler (a vLLM engine would take start-up time and, on a GPU,
+            # half its memory).
+            "sampler": {"name": "transformers"},
         }
     )
     vocab = backend.engine.vocab_size
