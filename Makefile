@@ -50,11 +50,10 @@ test-portable: install
 	done; \
 	if [ -n "$$failed" ]; then echo "test-portable failed under:$$failed" >&2; exit 1; fi
 
-# Compatibility tests against the real frameworks, each in its own environment (compat_tests/).
+# Compatibility tests against the real frameworks, each in its own environment (compat_tests/): two lanes at
+# once (each suite leaves one core mostly idle), verl in one, PrimeRL then SkyRL in the other.
 compat: install
-	compat_tests/verl/run.sh
-	compat_tests/primerl/run.sh
-	compat_tests/skyrl/run.sh
+	compat_tests/lanes.sh "verl" "primerl skyrl"
 
 # The frameworks' own environments alone (downloads and unpacking, nothing of Arctic RL's): CI builds them
 # beside `make test` and `make scenarios`; `make compat` builds any that is missing.

@@ -11,7 +11,7 @@ from test_recipe_run import rows, train
 pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("ray")]
 
 DISTRIBUTED = ["backend.engine.ranks=2", "backend.sampler.replicas=2", "backend.placement=colocated",
-               "backend.ray.num_cpus=2", "sft.steps=5", "checkpoint.every=3"]
+               "backend.ray.num_cpus=2", "sft.steps=5", "checkpoint.every=3", "eval.max_examples=32"]
 
 
 def test_text2sql_recipe_runs_on_two_ranks_and_two_replicas_by_configuration(tmp_path):
