@@ -117,8 +117,20 @@ def _add_plugin_commands(sub, plugins: PluginManager) -> None:
                 group = groups[parent[:-1]].add_parser(parent[-1], help=f"{parent[-1]} commands")
                 groups[parent] = group.add_subparsers(dest=f"{'_'.join(parent)}_command", required=True)
         p = groups[path[:-1]].add_parser(path[-1], help=command.help)
-        command.add_arguments(p)
+        try:
+            command.add_arguments(p)
+        except ImportError as err:  # a module of an extra that is not installed: every other command still runs
+            p.set_defaults(func=_cannot_run(" ".join(path), err), needs_accelerator=False)
+            continue
         p.set_defaults(func=command.run, needs_accelerator=command.needs_accelerator)
+
+
+def _cannot_run(name: str, err: ImportError):
+    def refuse(args) -> int:
+        print(f"arctic-rl {name} cannot run here: {err} (a package of an extra that is not installed: "
+              f"pyproject.toml's optional dependencies name them, e.g. pip install 'arctic-rl[recipes]')", file=sys.stderr)
+        return 2
+    return refuse
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,21 @@ def test_doctor_reports_engines_samplers_and_devices():
     assert "deepspeed" in report["engines"] and "transformers" in report["samplers"]
 
 
+def test_a_command_whose_extra_is_missing_says_so_and_the_others_run():
+    """Without pebble (the recipes extra), `bench e2e`, which drives the recipe, cannot run: it says why, and the
+    rest of the command line (here `doctor`, `bench zorro`'s options) still works."""
+    blocked = ("import sys, runpy; sys.modules['pebble'] = None; sys.argv = ['arctic-rl'] + sys.argv[1:]; "
+               "runpy.run_module('arctic_rl_core.cli', run_name='__main__')")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-c", blocked, *args], capture_output=True, text=True)
+    assert cli("doctor", "--help").returncode == 0
+    assert "--prompt-len" in cli("bench", "zorro", "--help").stdout
+    refused = cli("bench", "e2e")
+    assert refused.returncode == 2 and "arctic-rl bench e2e cannot run here" in refused.stderr, refused.stderr
+    assert "pebble" in refused.stderr
+
+
 @pytest.mark.parametrize("family, model_type", [("qwen3", "qwen3"), ("qwen2", "qwen2"), ("llama", "llama")])
 def test_make_tiny_model_builds_each_family(tmp_path, family, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
