@@ -22,6 +22,9 @@ import os
 import random
 import sys
 import tempfile
+import typing
+
+from arctic_rl_core.config import ZorroConfig
 
 SEED = 1234
 SPEC = ("family", "preset", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "turns", "group", "groups",
@@ -209,7 +212,8 @@ def add_arguments(p) -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--groups", type=int, default=1)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--attention-backend", choices=["auto", "cpu_flash", "math", "triton"], default="auto")
+    p.add_argument("--attention-backend", choices=typing.get_args(ZorroConfig.model_fields["attention_backend"].annotation),
+                   default="auto", help="ZoRRo's split attention (zorro.attention_backend)")
     p.add_argument("--baseline", choices=["padded", "packed"], default="padded",
                    help="ZoRRo off as a right-padded batch with SDPA, or packed unshared with ZoRRo's own kernels")
     p.add_argument("--micro-batch-tokens", type=int, default=10**9, help="the engine's token budget per micro-batch")
