@@ -1,4 +1,5 @@
-"""The recipes' plugin: `arctic-rl train` and `arctic-rl demo` (entry point `arctic_rl: recipes`)."""
+"""The recipes' plugin: `arctic-rl train`, `arctic-rl demo` and `arctic-rl eval longbench` (entry point
+`arctic_rl: recipes`)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,24 @@ def _demo(args) -> int:
     return main(args)
 
 
+def _longbench_arguments(p) -> None:
+    from arctic_rl_recipes.longbench import add_arguments
+
+    add_arguments(p)
+
+
+def _longbench(args) -> int:
+    from arctic_rl_recipes.longbench import main
+
+    return main(args)
+
+
 @hookimpl
 def arctic_rl_commands():
     return [
         Command(("train",), "run a GRPO recipe: arctic-rl train RECIPE.yaml [key.path=value ...]", _train_arguments, _train),
         Command(("demo",), "the tiny text2sql GRPO recipe end to end, then its ZoRRo and pipelining speed ratios",
                 _demo_arguments, _demo),
+        Command(("eval", "longbench"), "LongBench v1's QA tasks (its data, templates and QA F1) on a model or a server",
+                _longbench_arguments, _longbench),
     ]

@@ -20,6 +20,8 @@ def read_json_records(path: str | None, field: str, required: tuple[str, ...], f
         data = json.loads(text)
     except json.JSONDecodeError:
         data = None
+    if isinstance(data, dict):  # JSON Lines of one record
+        data = [data]
     if data is None:  # JSON Lines (MuSiQue ships .jsonl)
         data = []
         for line_no, line in enumerate(text.splitlines(), 1):
