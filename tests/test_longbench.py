@@ -9,6 +9,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
+from arctic_rl_core.engines.distributed import standalone_env
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_recipes.longbench import TEMPLATES, load_task, prompt_ids, qa_f1, task_score
 
@@ -79,7 +80,7 @@ def test_eval_longbench_prints_each_tasks_f1_and_the_average(tiny_model, tmp_pat
     out = tmp_path / "scores.json"
     proc = subprocess.run([CLI, "eval", "longbench", "--data", str(tmp_path), "--model", tiny_model, "--sampler",
                            "transformers", "--tasks", "hotpotqa", "musique", "--max-length", "96", "--output", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=standalone_env())  # its own world
     assert proc.returncode == 0, proc.stderr[-3000:]
     scores = json.loads(out.read_text())
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.split()}
