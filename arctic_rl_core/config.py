@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ValidationError, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ValidationError, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from arctic_rl_core.types import MAX_LEARNING_RATE
 
@@ -123,6 +123,10 @@ class CriticConfig(_Config):
         return merged
 
 
+ROPE_CONFIG_KEYS = ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings")
+"""Model config keys that set positions: the job's `rope_scaling` sets them, for every engine at once."""
+
+
 class SamplerConfig(_Config):
     name: str = "vllm"
     """`vllm`; or `transformers` (HF generate on a copy of the weights: light, slow, no prefix caching)."""
@@ -163,6 +167,18 @@ class SamplerConfig(_Config):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's LLM(...) as is."""
 
+    @field_validator("engine_args")
+    @classmethod
+    def _positions_for_every_engine(cls, engine_args):
+        overrides = engine_args.get("hf_overrides", {})
+        if not isinstance(overrides, dict):
+            raise ValueError("hf_overrides: a mapping of model config keys")
+        for key in ROPE_CONFIG_KEYS:
+            if key in overrides:
+                raise ValueError(f"hf_overrides.{key} would change positions in vLLM alone; set the job's "
+                                 "rope_scaling, which every engine applies")
+        return engine_args
+
     @field_validator("sync")
     @classmethod
     def _pool_sync(cls, sync, info: ValidationInfo):
@@ -171,8 +187,54 @@ class SamplerConfig(_Config):
         return sync
 
 
+class RopeScaling(_Config):
+    """RoPE scaling applied to the model in every engine of the job (trainer, reference, critic, samplers):
+    `{rope_type: yarn, factor: 4, original_max_position_embeddings: 32768}` extends a 32K model to 128K."""
+
+    rope_type: Literal["yarn", "linear", "llama3", "dynamic"]
+    factor: float = Field(gt=1)
+    original_max_position_embeddings: int | None = Field(None, ge=1)
+    """The window the model was trained at (yarn, llama3); defaults to the checkpoint's max_position_embeddings.
+    The extended window is factor times it."""
+    beta_fast: float | None = Field(None, gt=0)
+    """yarn: its ramp's bounds (default 32 and 1)."""
+    beta_slow: float | None = Field(None, gt=0)
+    attention_factor: float | None = Field(None, gt=0)
+    """yarn: the cos/sin scale; default 0.1 ln(factor) + 1."""
+    low_freq_factor: float | None = Field(None, gt=0)
+    """llama3: required, as is high_freq_factor."""
+    high_freq_factor: float | None = Field(None, gt=0)
+
+    @field_validator("rope_type")
+    @classmethod
+    def _same_in_every_engine(cls, rope_type):
+        if rope_type == "dynamic":
+            raise ValueError("dynamic is refused: Hugging Face recomputes its frequencies from each sequence's "
+                             "length and vLLM fixes them at the extended window, so the sampler's log-probs would "
+                             "not be the trainer's; use yarn")
+        return rope_type
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self):
+        given = {name for name in _TYPE_FIELDS["yarn"] | _TYPE_FIELDS["llama3"] if getattr(self, name) is not None}
+        if given - _TYPE_FIELDS[self.rope_type]:
+            raise ValueError(f"{', '.join(sorted(given - _TYPE_FIELDS[self.rope_type]))}: not a setting of "
+                             f"{self.rope_type} scaling")
+        if self.rope_type == "llama3" and not {"low_freq_factor", "high_freq_factor"} <= given:
+            raise ValueError("low_freq_factor, high_freq_factor: llama3 scaling needs both")
+        return self
+
+
+_TYPE_FIELDS = {"yarn": {"original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"},
+                "llama3": {"original_max_position_embeddings", "low_freq_factor", "high_freq_factor"},
+                "linear": set()}
+
+
 class BackendConfig(_Config):
     model_path: str
+    rope_scaling: RopeScaling | None = None
+    """RoPE scaling (YaRN, linear, llama3) applied identically by the trainer, the reference and critic models
+    and the samplers (docs/models.md)."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """With engine.ranks > 1 and sampler.replicas > 1: `colocated` puts trainer rank i and sampler replica i
     on the same device (half of one placement-group bundle each); `disaggregated` gives each its own devices,

@@ -79,7 +79,8 @@ def test_eval_longbench_prints_each_tasks_f1_and_the_average(tiny_model, tmp_pat
                                 for i in range(3)])
     out = tmp_path / "scores.json"
     proc = subprocess.run([CLI, "eval", "longbench", "--data", str(tmp_path), "--model", tiny_model, "--sampler",
-                           "transformers", "--tasks", "hotpotqa", "musique", "--max-length", "96", "--output", str(out)],
+                           "transformers", "--tasks", "hotpotqa", "musique", "--max-length", "96", "--output", str(out),
+                           "--rope-scaling", '{"rope_type": "yarn", "factor": 4}'],
                           capture_output=True, text=True, timeout=600, env=standalone_env())  # its own world
     assert proc.returncode == 0, proc.stderr[-3000:]
     scores = json.loads(out.read_text())
@@ -93,3 +94,4 @@ def test_eval_longbench_prints_each_tasks_f1_and_the_average(tiny_model, tmp_pat
         assert rows[task] == ["3", f"{result['f1']:.2f}"]
     assert scores["average"] == round((scores["tasks"]["hotpotqa"]["f1"] + scores["tasks"]["musique"]["f1"]) / 2, 2)
     assert rows["average"] == ["6", f"{scores['average']:.2f}"] and scores["max_length"] == 96
+    assert scores["context"] == 4 * 256  # the model's 256 positions under the YaRN asked for

@@ -53,6 +53,7 @@ def test_bad_overrides_name_the_key(overrides, field, words):
     ({"model.tiny": "null"}, "model.path"),
     ({"grpo.loss.name": "no_such_loss"}, "grpo.loss.name"),
     ({"grpo.loss.config": "{eps_clipp: 0.2}"}, "grpo.loss.config.eps_clipp"),
+    ({"model.rope_scaling": "{rope_type: dynamic, factor: 2}"}, "model.rope_scaling.rope_type"),
 ])
 def test_bad_recipe_input_fails_before_any_model_loads(tmp_path, capsys, changes, field):
     path = write_recipe(tmp_path, **changes)

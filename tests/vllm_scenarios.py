@@ -572,6 +572,34 @@ def cascade(model_dir, placement="in_process"):
     return result
 
 
+def rope_scaling(model_dir):
+    """YaRN (4x a 256-token window) set on the job: vLLM's log-probs against the trainer's on ~900-token
+    sequences, before training, after a step (stale) and after the sync."""
+    import random
+
+    from arctic_rl_core.backend import InProcessBackend
+
+    api = InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2}, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 256},
+        "sampler": {"name": "vllm", "kv_cache_mb": 64}})
+    rng = random.Random(0)
+    prompt = [rng.randrange(10, 500) for _ in range(880)]
+    completions = api.generate([prompt], {"n": 2, "max_tokens": 20, "temperature": 1.0, "seed": 1})
+    fixed = [{"prompt_ids": prompt, "response_ids": c.token_ids} for c in completions]
+
+    def err():
+        return max_err(api.log_probs(fixed).logprobs, api.log_probs(fixed, source="sampler").logprobs)
+
+    result = {"max_context": [api.engine.max_context, api.sampler.max_context],
+              "initial_err": max_err([c.logprobs for c in completions], api.log_probs(fixed).logprobs)}
+    api.fwd_bwd([{**s, "advantages": [1.0 - i] * len(s["response_ids"])} for i, s in enumerate(fixed)], "grpo")
+    api.step()
+    result["stale_err"] = err()
+    api.sync_weights()
+    result["synced_err"] = err()
+    return result
+
+
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
     from transformers.utils import logging as hf_logging
@@ -581,5 +609,6 @@ if __name__ == "__main__":
     scenario, model_dir, *rest = sys.argv[1:]
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
               "abort": abort, "reshaped": reshaped, "cascade": cascade, "continuous": continuous,
-              "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming}[scenario](model_dir, *rest)
+              "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming,
+              "rope_scaling": rope_scaling}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

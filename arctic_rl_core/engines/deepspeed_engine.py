@@ -31,6 +31,7 @@ from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
+from arctic_rl_core.models.rope_scaling import context_window, model_config
 from arctic_rl_kernels.split_attention import select_ops
 
 _CHECKPOINT_TAG = "state"
@@ -107,7 +108,6 @@ class DeepSpeedEngine(TrainingEngine):
     def __init__(self, config: BackendConfig):
         init_distributed()
         import deepspeed
-        from transformers import AutoConfig
         from transformers.integrations import HfDeepSpeedConfig
 
         ec = config.engine
@@ -118,10 +118,7 @@ class DeepSpeedEngine(TrainingEngine):
         self.lockstep = int(os.environ.get("WORLD_SIZE", "1")) > 1
         """One rank of several: every micro-batch's forward and backward runs even after a refusal."""
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-        try:
-            hf_config = AutoConfig.from_pretrained(config.model_path)
-        except (OSError, ValueError, KeyError) as err:
-            raise InvalidRequest("model_path", f"{config.model_path!r} is not a Hugging Face model: {err}") from None
+        hf_config = model_config(config.model_path, config.rope_scaling)
         # ZoRRo's attention is loaded wherever the family allows it, so flipping `zorro.enable` switches packing at run
         # time exactly; zorro.enable only decides the packing. A family it cannot serve is an error with
         # zorro.enable, and runs its own attention (engine.attn_implementation) without.
@@ -129,7 +126,7 @@ class DeepSpeedEngine(TrainingEngine):
         if want_zorro:
             check_features(hf_config)
         self.zorro_loaded = want_zorro or zorro_attention_possible(hf_config)
-        self.max_context = hf_config.max_position_embeddings
+        self.max_context = context_window(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.pad_token_id = pad_token_id(hf_config)
 

@@ -23,6 +23,7 @@ from arctic_rl_core.models.exactness import check_exactness, zorro_attention_pos
 from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
+from arctic_rl_core.models.rope_scaling import model_config
 from arctic_rl_core.types import MODEL_SHAPE_KEYS, model_shape
 
 
@@ -34,7 +35,7 @@ class ReferenceModel:
         self.model_path = rc.model_path or config.model_path
         if not os.path.isdir(self.model_path):
             raise InvalidRequest("reference.model_path", f"{self.model_path!r} is not a directory")
-        hf_config = AutoConfig.from_pretrained(self.model_path)
+        hf_config = model_config(self.model_path, config.rope_scaling, "reference.model_path")
         policy = model_shape(AutoConfig.from_pretrained(config.model_path).to_dict())
         differing = [k for k in MODEL_SHAPE_KEYS if model_shape(hf_config.to_dict())[k] != policy[k]]
         if differing:

@@ -13,6 +13,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.models.rope_scaling import context_window, model_config
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.types import Completion, SamplingParams
 
@@ -41,10 +42,11 @@ class TransformersSampler(Sampler):
 
         dtype = getattr(torch, config.sampler.dtype or config.engine.dtype)
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=dtype).to(self.device).eval()
+        hf_config = model_config(config.model_path, config.rope_scaling)
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, config=hf_config, dtype=dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.max_context = self.model.config.max_position_embeddings
+        self.max_context = context_window(hf_config)
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self._abort = threading.Event()

@@ -8,7 +8,7 @@ from typing import Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from arctic_rl_core.config import EngineConfig, RaySettings, SamplerConfig, ZorroConfig
+from arctic_rl_core.config import EngineConfig, RaySettings, RopeScaling, SamplerConfig, ZorroConfig
 from arctic_rl_core.errors import InvalidRequest, field_path
 from arctic_rl_recipes.multihop.task import MultihopConfig
 from arctic_rl_recipes.text2sql.task import Text2SQLConfig
@@ -37,6 +37,8 @@ class ModelSection(_Section):
     """A Hugging Face model folder (seen by the backend and, for its tokenizer, by the driver)."""
     tiny: TinyModelSpec | None = None
     """If `path` does not exist yet, build a tiny model there first."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE scaling for every engine of the run (the backend job's `rope_scaling`): YaRN for long contexts."""
 
 
 class BackendSection(_Section):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.models.rope_scaling import context_window, model_config
 from arctic_rl_core.pipeline import RolloutBatch, RolloutPipeline
 from arctic_rl_recipes.config import RecipeConfig
 from arctic_rl_recipes.metrics import PHASES, MetricsLog, plot_run
@@ -144,9 +145,7 @@ class RecipeRun:
                                corpus=[e.prompt + e.reference for e in self.train_examples])
 
     def _tokenize(self, examples: list[Example], split: str) -> tuple[list[list[int]], list[Example]]:
-        from transformers import AutoConfig
-
-        context = AutoConfig.from_pretrained(self.model_path).max_position_embeddings
+        context = context_window(model_config(self.model_path, self.config.model.rope_scaling, "model.path"))
         limit = self.config.data.max_prompt_tokens or context - self.config.grpo.max_tokens
         prompts, kept = [], []
         for example in examples:
@@ -164,7 +163,9 @@ class RecipeRun:
 
     def backend_config(self) -> dict:
         b = self.config.backend
-        return {"model_path": self.model_path, "engine": b.engine.model_dump(), "sampler": b.sampler.model_dump(),
+        rope_scaling = self.config.model.rope_scaling
+        return {"model_path": self.model_path, "rope_scaling": rope_scaling and rope_scaling.model_dump(exclude_none=True),
+                "engine": b.engine.model_dump(), "sampler": b.sampler.model_dump(),
                 "zorro": b.zorro.model_dump(), "placement": b.placement, "ray": b.ray.model_dump()}
 
     def connect(self) -> TrainingAPI:

@@ -142,6 +142,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tasks", nargs="+", default=list(MULTI_HOP), choices=list(TEMPLATES),
                    help="default: the multi-hop ones (hotpotqa 2wikimqa musique)")
     p.add_argument("--sampler", default="vllm", help="the embedded backend's sampler (vllm, transformers)")
+    p.add_argument("--rope-scaling", type=json.loads, default=None, metavar="JSON",
+                   help='the embedded backend\'s RoPE scaling, e.g. \'{"rope_type": "yarn", "factor": 4, '
+                        '"original_max_position_embeddings": 32768}\' (a server applies its job\'s)')
     p.add_argument("--max-length", type=int, default=None,
                    help="prompt tokens kept (cut from the middle); default: the sampler's context less the task's answer")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
@@ -165,7 +168,8 @@ def main(args) -> int:
     else:
         from arctic_rl_core.backend import InProcessBackend
 
-        api = InProcessBackend({"model_path": args.model, "sampler": {"name": args.sampler}})
+        api = InProcessBackend({"model_path": args.model, "rope_scaling": args.rope_scaling,
+                                "sampler": {"name": args.sampler}})
         model, context = args.model, api.sampler.max_context
     try:
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -181,7 +185,7 @@ def main(args) -> int:
     print(table(results))
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
-            json.dump({"average": average(results), "max_length": max_length,
+            json.dump({"average": average(results), "max_length": max_length, "context": context,
                        "tasks": {r.task: {"f1": r.f1, "examples": r.examples, "predictions": r.predictions}
                                  for r in results}}, f, ensure_ascii=False, indent=1)
     return 0
