@@ -81,3 +81,63 @@ def test_wrong_format_names_the_record(tmp_path):
     with pytest.raises(InvalidRequest) as err:
         task.load("train")
     assert err.value.field == "task.train[0].id"
+
+
+@pytest.fixture(scope="module")
+def synthetic_task(tmp_path_factory):
+    """A synthetic HotpotQA-format set of 300 training questions, loaded, and a byte-level BPE tokenizer trained
+    on its prompts (as the recipe's tiny model's is)."""
+    from arctic_rl_core.models.tiny import train_tokenizer
+
+    def task(**distractors):
+        config = MultihopConfig(name="multihop_qa", synthetic=SyntheticQAConfig(train_questions=300, eval_questions=8),
+                                distractors=distractors or None)
+        loaded = MultihopTask(config, str(tmp_path_factory.mktemp("distractors")))
+        return loaded, loaded.load("train")
+
+    _, examples = task()
+    tokenizer = train_tokenizer(corpus=[e.prompt for e in examples])
+    return task, lambda text: len(tokenizer.encode(text))
+
+
+def _documents(prompt: str) -> list[str]:
+    return [line.split("): ", 1)[1] for line in prompt.split("\nQuestion:")[0].splitlines()]
+
+
+@pytest.mark.parametrize("budget", [512, 1024, 3000])
+def test_distractor_contexts_fill_the_token_budget_and_keep_the_supporting_paragraphs(synthetic_task, budget):
+    make_task, count_tokens = synthetic_task
+    standard_task, standard = make_task()
+    task, examples = make_task(budget_tokens=budget, seed=3)
+    examples = examples[:60]  # padded from the whole split's paragraphs
+    padded = task.fit_contexts("train", examples, count_tokens)
+    assert [e.id for e in padded] == [e.id for e in examples]
+    lengths = [count_tokens(e.prompt) for e in padded]
+    assert all(0.98 * budget <= n <= budget for n in lengths), (min(lengths), max(lengths))
+    assert max(count_tokens(e.prompt) for e in standard) < 0.98 * budget  # the padding made the length
+    for example, question in zip(padded, task._questions["train"]):
+        documents = _documents(example.prompt)
+        assert all(text in documents for _, text, supporting in question.paragraphs if supporting)
+        assert example.prompt.endswith(f"Question: {question.question}\nAnswer:")
+    # The seed and the question decide everything drawn: a second build is the same, another seed is not.
+    assert [e.prompt for e in task.fit_contexts("train", examples, count_tokens)] == [e.prompt for e in padded]
+    other_task, _ = make_task(budget_tokens=budget, seed=4)
+    assert [e.prompt for e in other_task.fit_contexts("train", examples, count_tokens)] != [e.prompt for e in padded]
+    assert standard_task.fit_contexts("train", standard, count_tokens) == standard  # the standard variant
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0, None])
+def test_the_needle_sits_at_the_depth_asked_for(synthetic_task, depth):
+    make_task, count_tokens = synthetic_task
+    task, examples = make_task(budget_tokens=1024, needle_depth=depth)
+    positions = []
+    for example, question in zip(task.fit_contexts("train", examples[:40], count_tokens), task._questions["train"]):
+        documents = _documents(example.prompt)
+        needle = [text for _, text, supporting in question.paragraphs if supporting]
+        at = documents.index(needle[0])
+        assert documents[at:at + len(needle)] == needle  # together, in their order
+        positions.append(at / (len(documents) - len(needle)))
+    if depth is None:  # a random depth per question, spread over the context
+        assert min(positions) < 0.2 and max(positions) > 0.8
+    else:
+        assert all(abs(p - depth) <= 0.02 for p in positions), positions

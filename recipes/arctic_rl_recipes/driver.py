@@ -89,6 +89,13 @@ class RecipeRun:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.eos_id = self.tokenizer.eos_token_id
+        fit_contexts = getattr(self.task, "fit_contexts", None)  # a task whose contexts are sized in tokens
+        if fit_contexts is not None:
+            def count_tokens(text: str) -> int:
+                return len(self.tokenizer.encode(text))
+
+            self.train_examples = fit_contexts("train", self.train_examples, count_tokens)
+            self.eval_examples = fit_contexts("eval", self.eval_examples, count_tokens)
         self.train_prompts, self.train_examples = self._tokenize(self.train_examples, "train")
         self.eval_prompts, self.eval_examples = self._tokenize(self.eval_examples, "eval")
         split = config.sft.examples

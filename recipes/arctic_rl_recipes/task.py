@@ -36,7 +36,11 @@ class Task(Protocol):
     """`reward_fn(response: str, **example.reward_args) -> Score`; top-level, so it pickles."""
 
     def load(self, split: str) -> list[Example]:
-        """The examples of split `train` or `eval`; raises `InvalidRequest` naming the bad field or file."""
+        """The examples of split `train` or `eval`; raises `InvalidRequest` naming the bad field or file.
+
+        A task whose prompts are sized in tokens also has `fit_contexts(split, examples, count_tokens)`, which
+        the driver calls with the model's tokenizer once it is known (a tiny model's is trained on the loaded
+        examples)."""
 
 
 def require_paths(config, names: tuple[str, ...]) -> None:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import re
 import string
-from typing import Literal
+from dataclasses import replace
+from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_recipes.data_files import read_json_records
+from arctic_rl_recipes.multihop.distractors import DistractorConfig, Question, padded_prompts
+from arctic_rl_recipes.multihop.prompt import Paragraph, build_prompt
 from arctic_rl_recipes.multihop.synthetic import SyntheticQAConfig, generate_multihop
 from arctic_rl_recipes.task import Example, Score, require_paths
 
@@ -37,6 +40,9 @@ class MultihopConfig(BaseModel):
     eval: str | None = None
     max_paragraphs: int | None = Field(None, ge=1)
     """Keep at most this many paragraphs per question (all supporting ones, then the first distractors); default all."""
+    distractors: DistractorConfig | None = None
+    """The distractor variant: each context padded with other questions' paragraphs to `budget_tokens`, the
+    supporting paragraphs at `needle_depth` (multihop/distractors.py); default the data set's own context."""
     synthetic: SyntheticQAConfig | None = None
     """Generate a synthetic set in HotpotQA format under the run's output folder and train on it."""
 
@@ -56,7 +62,7 @@ def substring_match_reward(response: str, *, answers: list[str]) -> Score:
     return Score(float(correct), correct)
 
 
-def _paragraphs(record: dict, fmt: str, where: str) -> list[tuple[str, str, bool]]:
+def _paragraphs(record: dict, fmt: str, where: str) -> list[Paragraph]:
     """(title, text, is_supporting) of each paragraph."""
     if fmt == "musique":
         out = []
@@ -75,11 +81,6 @@ def _paragraphs(record: dict, fmt: str, where: str) -> list[tuple[str, str, bool
     return out
 
 
-def build_prompt(paragraphs: list[tuple[str, str, bool]], question: str) -> str:
-    docs = "\n".join(f"Document {i + 1} ({title}): {text}" for i, (title, text, _) in enumerate(paragraphs))
-    return f"{docs}\nQuestion: {question}\nAnswer:"
-
-
 class MultihopTask:
     name = "multihop_qa"
     reward_fn = staticmethod(substring_match_reward)
@@ -90,12 +91,14 @@ class MultihopTask:
             config = config.model_copy(update={"format": "hotpotqa", **paths})
         require_paths(config, ("train", "eval"))
         self.config = config
+        self._questions: dict[str, list[Question]] = {}
 
     def load(self, split: str) -> list[Example]:
         field = f"task.{split}"
         fmt = self.config.format
         records = read_json_records(getattr(self.config, split), field, _FORMAT_KEYS[fmt], fmt)
-        examples = []
+        examples, questions = [], []
+        self._questions[split] = questions
         for i, record in enumerate(records):
             if fmt == "musique" and record.get("answerable") is False:
                 continue  # MuSiQue-full's unanswerable questions have no answer to match
@@ -106,8 +109,10 @@ class MultihopTask:
                 keep = set(ranked[: self.config.max_paragraphs])
                 paragraphs = [p for j, p in enumerate(paragraphs) if j in keep]
             answers = [record["answer"], *record.get("answer_aliases", [])]
+            qid = str(record.get("_id", record.get("id", i)))
+            questions.append(Question(qid, paragraphs, record["question"]))
             examples.append(Example(
-                id=str(record.get("_id", record.get("id", i))),
+                id=qid,
                 prompt=build_prompt(paragraphs, record["question"]),
                 reference=" " + record["answer"],
                 reward_args={"answers": [str(a) for a in answers]},
@@ -115,3 +120,13 @@ class MultihopTask:
         if not examples:
             raise InvalidRequest(field, "holds no answerable examples")
         return examples
+
+    def fit_contexts(self, split: str, examples: list[Example], count_tokens: Callable[[str], int]) -> list[Example]:
+        """With `distractors`: the loaded examples (of `split`, any subset) with their contexts padded to the
+        token budget, distractors drawn from the whole split; without, as loaded."""
+        if self.config.distractors is None:
+            return examples
+        questions = {q.id: q for q in self._questions[split]}
+        prompts = padded_prompts([questions[e.id] for e in examples], count_tokens, self.config.distractors,
+                                 pool=self._questions[split])
+        return [replace(e, prompt=prompt) for e, prompt in zip(examples, prompts)]
