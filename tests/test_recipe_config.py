@@ -22,12 +22,14 @@ def write_recipe(tmp_path, **changes) -> str:
 
 
 def test_bundled_recipes_parse_and_overrides_apply():
-    assert {"text2sql_tiny", "multihop_tiny"} <= set(bundled_recipes())
+    assert {"text2sql_tiny", "multihop_tiny", "multihop_16k_tiny"} <= set(bundled_recipes())
     config = load_recipe("text2sql_tiny", ["grpo.steps=7", "+backend.engine.zero_stage=0", "pipeline.max_staleness=0",
                                            "grpo.loss.config={eps_clip: 0.1}", "backend.url=null"])
     assert config.grpo.steps == 7 and config.backend.engine.zero_stage == 0 and config.pipeline.max_staleness == 0
     assert config.grpo.loss.config == {"eps_clip": 0.1} and config.backend.url is None
     assert load_recipe("multihop_tiny").task.name == "multihop_qa"
+    long_context = load_recipe("multihop_16k_tiny")
+    assert long_context.task.distractors.budget_tokens == 16000 and long_context.model.rope_scaling.factor == 4
 
 
 @pytest.mark.parametrize("overrides,field,words", [

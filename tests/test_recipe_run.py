@@ -52,8 +52,11 @@ def test_metrics_tensorboard_plot_and_phases(trained):
     assert [r["step"] for r in train_rows] == list(range(1, GRPO_STEPS + 1))
     for key in ("reward", "accuracy", "response_length", "entropy", "kl", "clip_frac", "grad_norm", "tokens_per_s",
                 "time/generate", "time/reward", "time/log_probs", "time/fwd_bwd", "time/step", "time/rollout_wait",
-                "time/sync"):
+                "time/sync", "computed_tokens", "unshared_tokens", "peak_rss_gb"):
         assert all(key in r for r in train_rows if r["groups_trained"]), key
+    # ZoRRo computed each group's shared prompt once; the peak memory is this process's, in GiB.
+    assert all(r["computed_tokens"] < r["unshared_tokens"] for r in train_rows if r["groups_trained"])
+    assert all(0.1 < r["peak_rss_gb"] < 64 for r in train_rows)
     # Pipelined with max_staleness 1: after the first step, batches were sampled one version behind.
     assert max(r["staleness"] for r in train_rows) == 1
     run = tmp_path / "run"

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from arctic_rl_core.backend import InProcessBackend
 from arctic_rl_core.engines.distributed import free_loopback_port
@@ -17,6 +16,7 @@ from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.server.app import ServerSettings
 from arctic_rl_core.server.run import ServerThread
 from arctic_rl_core.types import SamplingParams
+from tests.vllm_scenarios import engine_metrics
 
 # One Ray cluster at a time: `make scenarios` keeps the files that start one on the same worker.
 pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("ray")]
@@ -103,12 +103,8 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
                 assert (turn.prompt_ids, turn.token_ids) == (PROMPTS[i], choice["token_ids"])
             assert server.app.state.serving.describe()["generate_calls"] == len(PROMPTS)
             # /metrics: each replica's vLLM families, told apart by their engine label, as one exposition.
-            tokens = {}
-            for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=60).text):
-                if family.name == "vllm:generation_tokens":
-                    for sample in family.samples:
-                        if sample.name.endswith("_total"):
-                            tokens[sample.labels["engine"]] = tokens.get(sample.labels["engine"], 0) + sample.value
+            tokens = {engine: counters.get("vllm:generation_tokens", 0)
+                      for engine, (_, counters, _) in engine_metrics(url).items()}
             assert set(tokens) == {"0", "1"} and min(tokens.values()) > 0, tokens  # both replicas sampled
     finally:
         api.close()

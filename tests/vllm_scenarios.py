@@ -248,25 +248,31 @@ def serving_batch(model_dir):
             "requests": status["requests"]["completions"]}
 
 
-def engine_gauges(url):
-    """The server's /metrics, read as Prometheus readers read it: engine 0's gauges and counters by family name,
-    and its `vllm:cache_config_info` labels."""
+def engine_metrics(url) -> dict[str, tuple[dict, dict, dict]]:
+    """The server's /metrics, read as Prometheus readers read it: per `engine` label, its gauges and counters by
+    family name and its `vllm:cache_config_info` labels."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    answer = httpx.get(f"{url}/metrics", timeout=30)
+    answer = httpx.get(f"{url}/metrics", timeout=60)
     answer.raise_for_status()
-    gauges, counters, cache_config = {}, {}, {}
+    engines = {}
     for family in text_string_to_metric_families(answer.text):
         for sample in family.samples:
-            if sample.labels.get("engine") != "0" or sample.name.endswith("_created"):
+            if sample.name.endswith("_created"):
                 continue
+            gauges, counters, cache_config = engines.setdefault(sample.labels.get("engine"), ({}, {}, {}))
             if family.name == "vllm:cache_config_info":
-                cache_config = sample.labels
+                cache_config.update(sample.labels)
             elif family.type in ("gauge", "counter"):
                 into = gauges if family.type == "gauge" else counters
                 into[family.name] = into.get(family.name, 0) + sample.value
-    return gauges, counters, cache_config
+    return engines
+
+
+def engine_gauges(url):
+    """Engine 0's gauges, counters and cache config labels (`engine_metrics`)."""
+    return engine_metrics(url).get("0", ({}, {}, {}))
 
 
 def streaming(model_dir):

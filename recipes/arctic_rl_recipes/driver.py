@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import time
@@ -283,7 +284,10 @@ class RecipeRun:
                 self.api.sync_weights()
             metrics = {"loss": result.loss, "grad_norm": stepped.grad_norm,
                        "kl": result.metrics.get("kl", result.metrics.get("ppo_kl", 0.0)),
-                       "clip_frac": result.metrics.get("clip_frac", 0.0)}
+                       "clip_frac": result.metrics.get("clip_frac", 0.0),
+                       # What fwd_bwd ran (ZoRRo: each shared prompt once) against every sequence in full.
+                       "computed_tokens": result.computed_tokens,
+                       "unshared_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)}
         response_tokens = [len(c.token_ids) for c in completions]
         sampled_logprobs = [lp for c in completions for lp in c.logprobs]
         return {
@@ -297,6 +301,8 @@ class RecipeRun:
             "staleness": batch.staleness, "dropped": batch.dropped,
             "reward_timeouts": scored.timeouts, "reward_errors": scored.errors,
             "tokens": sum(response_tokens) + sum(len(batch.prompts[c.prompt_index]) for c in completions),
+            # This process's peak resident memory so far (an embedded backend's trainer and sampler included).
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         }
 
     def _needs_proximal(self) -> bool:
