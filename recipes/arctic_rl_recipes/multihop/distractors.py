@@ -70,32 +70,46 @@ def _padded(q: Question, pool: list[Paragraph], count_tokens, estimate, config: 
         at = round(depth * len(haystack))
         return build_prompt(haystack[:at] + needle + haystack[at:], q.question)
 
-    # Whole paragraphs by their own lines' counts, then the prompt counted once and corrected: a line's count
-    # is off by a token or so where its document number or its boundary with a neighbour tokenises differently.
+    # Paragraphs are added by their own lines' counts plus `bias`, then the prompt is counted exactly: a line
+    # costs a token or two more in place (its document number's digits, its boundary with a neighbour). The bias
+    # is learnt from each exact count, so a 16K-token context settles in two or three counts, not one a paragraph.
     haystack: list[Paragraph] = []
-    used = count_tokens(prompt(haystack))
-    spare = None
-    for paragraph in candidates:
-        if used + estimate(paragraph) <= budget:
-            haystack.append(paragraph)
-            used += estimate(paragraph)
-        elif spare is None:
-            spare = paragraph  # too long whole: the one to cut if whole paragraphs leave a gap
-        if used >= floor:
-            break
-    used = count_tokens(prompt(haystack))
-    while used > budget:
-        spare = haystack.pop()
+    base = used = count_tokens(prompt(haystack))
+    bias, spare, exhausted = 0.0, None, False
+    middle = (floor + budget) / 2
+    for _ in range(8):  # a round: grow to the band's middle by estimates, count, shrink by estimates if over
+        estimated, grown = base + sum(estimate(p) + bias for p in haystack), False
+        while not exhausted and estimated < middle:
+            paragraph = next(candidates, None)
+            if paragraph is None:
+                exhausted = True
+            elif estimated + estimate(paragraph) + bias <= middle:
+                haystack.append(paragraph)
+                estimated += estimate(paragraph) + bias
+                grown = True
+            else:
+                spare = spare or paragraph  # too long whole: the one to cut if whole paragraphs leave a gap
+                break
         used = count_tokens(prompt(haystack))
+        if haystack:
+            bias = (used - base - sum(estimate(p) for p in haystack)) / len(haystack)
+        while used > budget:
+            over = used - middle
+            while over > 0 and haystack:
+                over -= estimate(haystack[-1]) + bias
+                candidates = itertools.chain([haystack.pop()], candidates)
+            used = count_tokens(prompt(haystack))
+        if used >= floor or exhausted or not grown:
+            break
     if used < floor and (spare := spare or next(candidates, None)) is not None:
         # Cut at a character, not a word: a word can be several tokens, more than the 2% of a short budget.
-        keep = _prefix_within(spare, budget - used, estimate)
+        keep = _prefix_within(spare, budget - used - math.ceil(max(bias, 0)), estimate)
         while keep:
             cut = haystack + [(spare[0], spare[1][:keep], False)]
             if count_tokens(prompt(cut)) <= budget:
                 haystack = cut
                 break
-            keep -= 1
+            keep = _prefix_within(spare, estimate((spare[0], spare[1][:keep], False)) - 2, estimate)  # over: less
     return prompt(haystack)
 
 
