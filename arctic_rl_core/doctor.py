@@ -7,6 +7,9 @@ import importlib
 import importlib.metadata
 import platform
 
+DOCTOR_LENGTHS = (2048, 8192, 32768)
+"""Sequence lengths at which the doctor reports what `auto` picks (it picks by length where measured)."""
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -49,12 +52,14 @@ def diagnose() -> dict:
         from arctic_rl_kernels import backend_timings
         from arctic_rl_kernels.split_attention import auto_backend, triton_usable
 
-        # What `zorro.attention_backend: auto` runs here per dtype, whether that was measured on this device model
-        # (`arctic-rl bench attention --save`), and whether the Triton kernels can run.
+        # What `zorro.attention_backend: auto` runs here per dtype and sequence length (head size 128), when that
+        # was last measured on this device model (`arctic-rl bench attention --save`), and whether the Triton
+        # kernels can run.
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         devices["zorro_attention"] = {
-            "auto": {str(dtype).removeprefix("torch."): auto_backend(device, dtype) for dtype in (torch.float32, torch.bfloat16)},
-            "measured": backend_timings.recorded(device).get("date"),
+            "auto": {str(dtype).removeprefix("torch."): {str(n): auto_backend(device, dtype, longest=n) for n in DOCTOR_LENGTHS}
+                     for dtype in (torch.float32, torch.bfloat16)},
+            "measured": backend_timings.last_measured(device),
             "triton": triton_usable(device),
         }
     except ImportError as exc:

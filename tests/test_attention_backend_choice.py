@@ -15,6 +15,7 @@ from arctic_rl_bench import attention as bench
 from arctic_rl_core.backend import InProcessBackend
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_kernels import backend_timings
+from arctic_rl_kernels.layout import ForestLayout
 from arctic_rl_kernels import split_attention as sa
 
 CPU = torch.device("cpu")
@@ -32,21 +33,64 @@ def timings_dir(tmp_path, monkeypatch):
     backend_timings._load.cache_clear()
 
 
-def _record(times: dict) -> dict:
-    return {"dtypes": {dtype: {name: {"fwd_ms": ms / 3, "fwd_bwd_ms": ms} for name, ms in rows.items()}
-                       for dtype, rows in times.items()}}
+def _measured(times: dict, longest: int = 2304, head_dim: int = 128) -> list[dict]:
+    return [{"dtype": dtype, "head_dim": head_dim, "longest": longest, "date": "2026-11-26",
+             "backends": {name: {"fwd_ms": ms / 3, "fwd_bwd_ms": ms} for name, ms in rows.items()}}
+            for dtype, rows in times.items()]
 
 
 def test_auto_runs_the_fastest_measured_backend_that_serves_the_layer(timings_dir):
     assert sa.auto_backend(CPU, torch.float32) == "cpu_flash"  # no timings: the fixed order
-    backend_timings.save(CPU, _record({"float32": {"cpu_flash": 9.0, "math": 4.0, "triton": 1.0}}))
+    backend_timings.save_measurements(CPU, _measured({"float32": {"cpu_flash": 9.0, "math": 4.0, "triton": 1.0}}))
     # Measured faster; Triton on a CPU runs interpreted if at all: never auto's choice there.
     assert sa.select_ops("auto", CPU, torch.float32) is sa.MATH
     assert sa.select_ops("auto", CPU, torch.bfloat16) is sa.CPU_FLASH  # a dtype not measured
-    backend_timings.save(CPU, _record({"float32": {"cpu_flash": 2.0, "math": 4.0}}))
-    assert sa.select_ops("auto", CPU, torch.float32) is sa.CPU_FLASH
+    backend_timings.save_measurements(CPU, _measured({"float32": {"cpu_flash": 2.0, "math": 4.0}}))
+    assert sa.select_ops("auto", CPU, torch.float32) is sa.CPU_FLASH  # the same shape's measurement replaced
     # A sliding window: the flash primitives cannot apply it, whatever their speed.
     assert sa.select_ops("auto", CPU, torch.float32, sa.ScoreMods(window=4)) is sa.MATH
+
+
+def test_auto_picks_by_the_measured_length_nearest_the_forests(timings_dir):
+    # Which backend wins changes with length (the fused kernel wins at 2K tokens on an H100 and loses at 32K).
+    backend_timings.save_measurements(CPU, _measured({"float32": {"cpu_flash": 1.0, "math": 4.0}}, longest=2304)
+                                      + _measured({"float32": {"cpu_flash": 9.0, "math": 4.0}}, longest=36864))
+    assert [m["longest"] for m in backend_timings.recorded(CPU)["measurements"]] == [2304, 36864]
+    picks = {n: sa.auto_backend(CPU, torch.float32, longest=n) for n in (300, 4000, 9000, 20000, 100000)}
+    assert picks == {300: "cpu_flash", 4000: "cpu_flash", 9000: "cpu_flash", 20000: "math", 100000: "math"}
+    # A head size measured is preferred; one not measured reads the others.
+    backend_timings.save_measurements(CPU, _measured({"float32": {"cpu_flash": 9.0, "math": 4.0}}, longest=2304, head_dim=64))
+    assert sa.auto_backend(CPU, torch.float32, head_dim=64, longest=2304) == "math"
+    assert sa.auto_backend(CPU, torch.float32, head_dim=128, longest=2304) == "cpu_flash"
+    assert sa.auto_backend(CPU, torch.float32, head_dim=256, longest=2304) in {"cpu_flash", "math"}
+    # The split-attention call passes its forest's longest sequence and head size.
+    layout = ForestLayout.groups([30000], [[4000, 6000]])
+    assert layout.longest == 36000 and ForestLayout.unshared([5, 9, 2]).longest == 9
+    q = torch.randn(2, layout.num_tokens, 128)
+    seen = {}
+    real = sa.select_ops
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sa, "select_ops", spy)
+        mp.setattr(sa._SplitAttention, "apply", lambda *args: None)
+        sa.split_attention(q, q, q, layout, 1.0)
+    assert seen["head_dim"] == 128 and seen["longest"] == 36000
+
+
+def test_without_timings_fp32_on_cuda_never_picks_the_fused_kernel(monkeypatch):
+    # IEEE fp32 without tensor cores: 69x slower than ATen's kernels at 2K tokens on an H100 (no GPU needed to
+    # ask: the choice reads the device type and the timings).
+    monkeypatch.setattr(backend_timings, "fastest", lambda *args: None)
+    monkeypatch.setattr(sa, "triton_usable", lambda device: True)
+    cuda = torch.device("cuda")
+    assert sa.auto_backend(cuda, torch.float32) == "cuda_flash"
+    assert sa.auto_backend(cuda, torch.float32, sa.ScoreMods(window=4)) == "math"
+    assert sa.auto_backend(cuda, torch.bfloat16) == "triton"
+    assert sa.auto_backend(cuda, torch.bfloat16, sa.ScoreMods(window=4)) == "triton"
 
 
 def test_a_backend_that_cannot_run_here_is_refused_by_name(tmp_path):
@@ -72,17 +116,52 @@ def _bench(*argv: str) -> int:
 
 
 def test_bench_attention_records_what_auto_reads(timings_dir, capsys):
-    assert _bench("--save") == 0
-    record = backend_timings.recorded(HERE)
-    assert set(record["dtypes"]) == {"float32", "bfloat16"}
+    assert _bench("--save", "--sweep", "24", "48") == 0
+    measurements = backend_timings.recorded(HERE)["measurements"]
+    assert {(m["dtype"], m["longest"]) for m in measurements} == {(d, n) for d in ("float32", "bfloat16") for n in (27, 54)}
     # Triton is measured only compiled, on CUDA: under the interpreter its timings mean nothing.
     expected = {"math", DEVICE_FLASH} | ({"triton"} if HERE.type == "cuda" and sa.triton_usable(HERE) else set())
-    for dtype, rows in record["dtypes"].items():
-        assert set(rows) == expected
-        assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["max_rel_err"] <= bench.TOLERANCE[dtype] for r in rows.values())
+    for m in measurements:
+        rows = m["backends"]
+        assert set(rows) == expected and m["head_dim"] == 16 and m["shape"]["prompt"] in (24, 48)
+        assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 and r["max_rel_err"] <= bench.TOLERANCE[m["dtype"]]
+                   for r in rows.values())
         fastest = min(rows, key=lambda name: rows[name]["fwd_bwd_ms"])
-        assert sa.auto_backend(HERE, getattr(torch, dtype)) == fastest
-    assert record["command"].startswith("arctic-rl bench attention") and record["shape"]["group"] == 3
+        assert sa.auto_backend(HERE, getattr(torch, m["dtype"]), head_dim=16, longest=m["longest"]) == fastest
+        assert m["command"].startswith("arctic-rl bench attention") and m["shape"]["group"] == 3
+    assert backend_timings.last_measured(HERE) == measurements[0]["date"]
+    # Saving one length again replaces it and keeps the other.
+    assert _bench("--save", "--sweep", "48", "--dtype", "float32") == 0
+    assert len(backend_timings.recorded(HERE)["measurements"]) == 4
+
+
+def test_tiles_are_tuned_kernel_by_kernel_and_recorded_per_dtype_and_head_size(timings_dir, monkeypatch):
+    """`--tune`'s search on the kernels as they run here (interpreted on a CPU: the choice's logic, not its
+    timings), with a candidate that is wrong and one that cannot launch: both are dropped with their reason."""
+    if not sa.triton_usable(HERE):
+        pytest.fail("the fused kernel runs here only under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+    from arctic_rl_kernels import forest_flash_attention as ffa
+
+    candidates = {"forward": [(16, 16, 4, 1), (32, 16, 4, 1)], "dkdv": [(16, 32, 4, 1), (16, 16, 4, 1)],
+                  "dq": [(32, 16, 4, 1), (16, 0, 4, 1)]}
+    monkeypatch.setattr(bench, "TILE_CANDIDATES", candidates)
+    spec = {"prompt": 40, "response": 8, "group": 2, "groups": 1, "heads": 4, "kv_heads": 2, "head_dim": 16, "repeats": 1}
+    real_forward = ffa.forest_attention_forward
+
+    def wrong_with_wide_query_tiles(*args):
+        out, lse = real_forward(*args)
+        return (out * 1.5, lse) if args[-1]["forward"]["BLOCK_M"] == 32 else (out, lse)
+
+    monkeypatch.setattr(ffa, "forest_attention_forward", wrong_with_wide_query_tiles)
+    result = bench.tune(spec, "float32", HERE)
+    trials = result["trials"]
+    assert "differs from the default tiles" in trials["forward"][1]["error"]
+    assert "error" in trials["dq"][1] and "ms" in trials["dq"][0]
+    assert result["tiles"]["forward"]["BLOCK_M"] == 16 and result["tiles"]["dq"]["BLOCK_M"] == 32
+    assert all("ms" in r for r in trials["dkdv"]) and result["tiles"]["dkdv"]["BLOCK_N"] in (16, 32)
+    backend_timings.save_tiles(HERE, torch.float32, 16, {**result["tiles"], "date": "2026-11-26"})
+    assert backend_timings.tuned_tiles(HERE, torch.float32, 16) == result["tiles"]
+    assert backend_timings.tuned_tiles(HERE, torch.float32, 64) is None
 
 
 def test_bench_attention_saves_nothing_when_a_backend_is_wrong(timings_dir, monkeypatch, capsys):

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from arctic_rl_core.doctor import DOCTOR_LENGTHS
 from arctic_rl_kernels import backend_timings
 from arctic_rl_kernels.split_attention import auto_backend
 
@@ -36,8 +37,9 @@ def test_doctor_reports_engines_samplers_and_devices():
     # (interpreted in tests).
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert report["devices"]["zorro_attention"] == {
-        "auto": {"float32": auto_backend(device, torch.float32), "bfloat16": auto_backend(device, torch.bfloat16)},
-        "measured": backend_timings.recorded(device).get("date"),
+        "auto": {name: {str(n): auto_backend(device, dtype, longest=n) for n in DOCTOR_LENGTHS}
+                 for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))},
+        "measured": backend_timings.last_measured(device),
         "triton": True,
     }
     assert "deepspeed" in report["engines"] and "transformers" in report["samplers"]

@@ -1,15 +1,21 @@
-"""Measured speeds of the split-attention backends, one file per device model, read by `auto`.
+"""Measured speeds of the split-attention backends and tuned Triton tile configurations, one file per device
+model, read by `auto` and by the fused kernel.
 
 `arctic-rl bench attention --save` times every backend that runs on a device, side by side on one forest,
-and writes `timings/<device model>.json` (a GPU's name, a CPU's model name); `auto` then runs the fastest one that serves a layer (as vLLM ships
-tuned kernel configurations per device name). A device without a file gets the fixed order in
-`split_attention.py`.
+and records them in `timings/<device model>.json` (a GPU's name, a CPU's model name) under the shape's dtype,
+head size and longest sequence; `--sweep` records several lengths in one run. `auto` then runs the backend
+that was fastest at the measured length nearest the call's (as vLLM ships tuned kernel configurations per
+device name): which backend wins changes with length (on an H100 the fused kernel wins at 2K tokens and
+loses at 32K). `--tune` records, per dtype and head size, the tile sizes the fused kernel's three kernels ran
+fastest with. A device without a file gets the fixed order in `split_attention.py` and the kernel's default
+tiles.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import platform
 import re
 from pathlib import Path
@@ -47,21 +53,60 @@ def _load(device: torch.device) -> dict:
 
 
 def recorded(device: torch.device) -> dict:
-    """The saved record for this device model, or {}."""
+    """The saved record for this device model, or {}: {"measurements": [...], "kernels": {...}}."""
     return _load(device)
 
 
-def fastest(device: torch.device, dtype: torch.dtype, candidates: list[str]) -> str | None:
-    """The candidate with the smallest measured forward+backward time for this device model and dtype,
-    or None when none of them was measured."""
-    times = recorded(device).get("dtypes", {}).get(dtype_key(dtype), {})
-    timed = [(times[name]["fwd_bwd_ms"], name) for name in candidates if name in times]
-    return min(timed)[1] if timed else None
+def last_measured(device: torch.device) -> str | None:
+    """The date of the newest backend measurement for this device model."""
+    return max((m["date"] for m in recorded(device).get("measurements", [])), default=None)
 
 
-def save(device: torch.device, record: dict) -> Path:
+def fastest(device: torch.device, dtype: torch.dtype, candidates: list[str], head_dim: int, longest: int) -> str | None:
+    """The candidate with the smallest forward+backward time measured for this device model and dtype, at the
+    measured length nearest `longest` (by ratio) among those of this head size (or of any head size where
+    this one was not measured); None when none of the candidates was measured."""
+    rows = [m for m in recorded(device).get("measurements", [])
+            if m["dtype"] == dtype_key(dtype) and any(name in m["backends"] for name in candidates)]
+    rows = [m for m in rows if m["head_dim"] == head_dim] or rows
+    if not rows:
+        return None
+    nearest = min(rows, key=lambda m: abs(math.log(m["longest"] / max(longest, 1))))
+    times = nearest["backends"]
+    return min((times[name]["fwd_bwd_ms"], name) for name in candidates if name in times)[1]
+
+
+def tuned_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict | None:
+    """The fused kernel's tile configuration `--tune` found fastest for this device model, dtype and head size:
+    {"forward": {...}, "dkdv": {...}, "dq": {...}}, each BLOCK_M, BLOCK_N, num_warps, num_stages; or None."""
+    entry = recorded(device).get("kernels", {}).get(dtype_key(dtype), {}).get(str(head_dim))
+    return None if entry is None else {kernel: entry[kernel] for kernel in ("forward", "dkdv", "dq")}
+
+
+def _write(device: torch.device, record: dict) -> Path:
     TIMINGS_DIR.mkdir(parents=True, exist_ok=True)
     path = TIMINGS_DIR / f"{device_key(device)}.json"
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     _load.cache_clear()
     return path
+
+
+def save_measurements(device: torch.device, measurements: list[dict]) -> Path:
+    """Adds measurements ({dtype, head_dim, longest, backends, ...}) to the device's file, replacing any of the
+    same dtype, head size and length; the others are kept."""
+    record = dict(recorded(device))
+    record["device"] = device_name(device)
+    fresh = {(m["dtype"], m["head_dim"], m["longest"]) for m in measurements}
+    kept = [m for m in record.get("measurements", []) if (m["dtype"], m["head_dim"], m["longest"]) not in fresh]
+    record["measurements"] = sorted(kept + measurements, key=lambda m: (m["dtype"], m["head_dim"], m["longest"]))
+    return _write(device, record)
+
+
+def save_tiles(device: torch.device, dtype: torch.dtype, head_dim: int, entry: dict) -> Path:
+    """Records the fused kernel's tuned tiles for one dtype and head size ({forward, dkdv, dq, ...})."""
+    record = dict(recorded(device))
+    record["device"] = device_name(device)
+    kernels = {d: dict(sizes) for d, sizes in record.get("kernels", {}).items()}
+    kernels.setdefault(dtype_key(dtype), {})[str(head_dim)] = entry
+    record["kernels"] = kernels
+    return _write(device, record)

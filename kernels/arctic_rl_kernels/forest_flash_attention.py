@@ -26,13 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from arctic_rl_kernels import backend_timings
 from arctic_rl_kernels.layout import ForestLayout
 from arctic_rl_kernels.triton_device import check_device, interpreted, on_device
-
-
-def _blocks(device: torch.device) -> tuple[int, int]:
-    # Small tiles under the interpreter keep tests fast; 64x64 is FlashAttention-2's tile for head sizes <= 128.
-    return (16, 16) if device.type != "cuda" else (64, 64)
 
 
 @triton.jit
@@ -225,49 +221,85 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_p
              mask=rows[:, None] & (offs_d[None, :] < D))
 
 
-def _settings(q, k, v, mods, pos):
+KERNELS = ("forward", "dkdv", "dq")
+"""The fused kernel's three kernels; each takes its own tiles (BLOCK_M queries x BLOCK_N keys, warps, stages)."""
+
+
+def default_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, dict]:
+    """Tiles for a device with none tuned (`arctic-rl bench attention --tune`). Small tiles under the interpreter
+    keep tests fast; on a GPU 64x64, FlashAttention-2's tile for head sizes <= 128, in two pipeline stages for
+    fp32 (twice the shared memory per stage), three for 16-bit. Each is checked for Hopper without a GPU
+    (tests/test_kernel_compile.py: at most 227 KiB of shared memory, no register spills in 16-bit): dK/dV holds
+    two fp32 accumulators and the K, V tile in registers, so it takes 32 queries at a time on 8 warps (64 on 4
+    spills); head sizes past 128 take smaller tiles on 8 warps in every kernel and dtype (64x64 spills in 16-bit
+    and needs 272 KiB of shared memory in fp32's backward)."""
+    def tile(m, n, warps, stages):
+        return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
+
+    if device.type != "cuda":
+        return {kernel: tile(16, 16, 4, 1) for kernel in KERNELS}
+    if head_dim > 128:
+        return {"forward": tile(64, 32, 8, 2), "dkdv": tile(16, 32, 8, 2), "dq": tile(32, 64, 8, 2)}
+    if dtype == torch.float32:
+        return {kernel: tile(64, 64, 4, 2) for kernel in KERNELS}
+    return {"forward": tile(64, 64, 4, 3), "dkdv": tile(32, 64, 8, 3), "dq": tile(64, 64, 4, 3)}
+
+
+def tiles_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, dict]:
+    """The tiles the kernels run with: tuned for this device model, dtype and head size where recorded (fp16 and
+    bf16 share tiles: the same element size), else `default_tiles`."""
+    if device.type == "cuda" and not interpreted(_forward_kernel):
+        for candidate in (dtype, *{torch.bfloat16: [torch.float16], torch.float16: [torch.bfloat16]}.get(dtype, [])):
+            tuned = backend_timings.tuned_tiles(device, candidate, head_dim)
+            if tuned is not None:
+                return tuned
+    return default_tiles(device, dtype, head_dim)
+
+
+def _settings(q, k, v, mods, pos, tiles):
     H, N, D = q.shape
     Hkv, DV = k.shape[0], v.shape[-1]
     check_device(q.device, _forward_kernel, "split attention")
-    block_m, block_n = _blocks(q.device)
+    tiles = tiles or tiles_for(q.device, q.dtype, max(D, DV))
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
     return dict(
         GROUPS=H // Hkv, D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, SOFTCAP=mods.softcap is not None, WINDOW=mods.window is not None,
+        SOFTCAP=mods.softcap is not None, WINDOW=mods.window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreted(_forward_kernel) and q.dtype != torch.float32,
-        # fp32 tiles, and head sizes past 128, are twice the shared memory per pipeline stage: two stages, not
-        # Triton's three, keep them within a GPU's shared memory (a choice by size, not measured).
-        num_stages=2 if q.dtype == torch.float32 or max(block_d, block_dv) > 128 else 3,
-    ), (pos if pos is not None else q.new_zeros(1, dtype=torch.long)), (mods.softcap or 1.0), (mods.window or 0)
+    ), tiles, (pos if pos is not None else q.new_zeros(1, dtype=torch.long)), (mods.softcap or 1.0), (mods.window or 0)
 
 
-def forest_attention_forward(q, k, v, layout: ForestLayout, scale: float, mods, pos):
-    """q [H, N, D], k [Hkv, N, D], v [Hkv, N, DV] (contiguous) -> (out [H, N, DV] in q's dtype, lse [H, N] fp32)."""
-    meta, pos, softcap, window = _settings(q, k, v, mods, pos)
+def forest_attention_forward(q, k, v, layout: ForestLayout, scale: float, mods, pos, tiles: dict | None = None):
+    """q [H, N, D], k [Hkv, N, D], v [Hkv, N, DV] (contiguous) -> (out [H, N, DV] in q's dtype, lse [H, N] fp32).
+    `tiles` overrides the configured ones (`tiles_for`): how `--tune` tries others."""
+    meta, tiles, pos, softcap, window = _settings(q, k, v, mods, pos, tiles)
     H, N, _ = q.shape
-    tiles = layout.query_tiles(meta["BLOCK_M"], q.device)
+    fwd = tiles["forward"]
+    query_tiles = layout.query_tiles(fwd["BLOCK_M"], q.device)
     out = q.new_empty((H, N, meta["DV"]))
     lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
     with on_device(q.device):
-        _forward_kernel[(len(tiles[0]), H)](q, k, v, out, lse, pos, *tiles, q.stride(0), k.stride(0), v.stride(0),
-                                            out.stride(0), N, scale, softcap, window, **meta)
+        _forward_kernel[(len(query_tiles[0]), H)](q, k, v, out, lse, pos, *query_tiles, q.stride(0), k.stride(0),
+                                                  v.stride(0), out.stride(0), N, scale, softcap, window, **meta, **fwd)
     return out, lse
 
 
-def forest_attention_backward(dout, q, k, v, out, lse, layout: ForestLayout, scale: float, mods, pos):
+def forest_attention_backward(dout, q, k, v, out, lse, layout: ForestLayout, scale: float, mods, pos,
+                              tiles: dict | None = None):
     """Gradients given the output and LSE the loss saw (with sinks merged in, if any): (dq, dk, dv)."""
-    meta, pos, softcap, window = _settings(q, k, v, mods, pos)
+    meta, tiles, pos, softcap, window = _settings(q, k, v, mods, pos, tiles)
     H, N, _ = q.shape
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)  # FlashAttention-2's rowsum(dO * O)
     lse = lse.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    key_tiles = layout.key_tiles(meta["BLOCK_N"], q.device)
-    tiles = layout.query_tiles(meta["BLOCK_M"], q.device)
+    dkdv, dq_tiles = tiles["dkdv"], tiles["dq"]
+    key_tiles = layout.key_tiles(dkdv["BLOCK_N"], q.device)
+    query_tiles = layout.query_tiles(dq_tiles["BLOCK_M"], q.device)
     with on_device(q.device):
         _dkdv_kernel[(len(key_tiles[0]), k.shape[0])](q, k, v, dout, lse, delta, dk, dv, pos, *key_tiles, q.stride(0),
                                                        k.stride(0), v.stride(0), dout.stride(0), N, scale, softcap, window,
-                                                       **meta)
-        _dq_kernel[(len(tiles[0]), H)](q, k, v, dout, lse, delta, dq, pos, *tiles, q.stride(0), k.stride(0), v.stride(0),
-                                       dout.stride(0), N, scale, softcap, window, **meta)
+                                                       **meta, **dkdv)
+        _dq_kernel[(len(query_tiles[0]), H)](q, k, v, dout, lse, delta, dq, pos, *query_tiles, q.stride(0), k.stride(0),
+                                             v.stride(0), dout.stride(0), N, scale, softcap, window, **meta, **dq_tiles)
     return dq, dk, dv

@@ -162,6 +162,13 @@ class ForestLayout:
             self._tables[key] = tuple(torch.tensor(x, dtype=torch.int32) for x in (k_start, k_end, q_end))
         return self._tables[key]
 
+    @property
+    def longest(self) -> int:
+        """The longest sequence's length (a root-to-leaf path): the length `auto` picks a backend by."""
+        if "longest" not in self._tables:
+            self._tables["longest"] = int(self.positions().max()) + 1
+        return self._tables["longest"]
+
     def cross_parts(self) -> list[tuple[int, int, int, int]]:
         """(key_start, key_end, query_start, query_end): a segment's tokens seen, unmasked, by its whole subtree."""
         return [(s, e, e, t) for s, e, t in zip(self.starts, self.ends, self.subtree_ends) if t > e]

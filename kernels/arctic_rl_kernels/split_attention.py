@@ -18,7 +18,7 @@ device and also applies windows, softcaps and a value head size other than the q
 is a `ForestKernel` instead: one fused kernel for the whole forest (`forest_flash_attention.py`),
 nothing to merge. K/V may have fewer heads than Q (GQA): the fused kernel reads them through the
 head index; the parts' primitives get them repeated. `auto` runs the fastest one measured on the
-device model (`backend_timings.py`).
+device model at the forest's length (`backend_timings.py`).
 """
 
 from __future__ import annotations
@@ -182,9 +182,16 @@ CUDA_FLASH = AttentionOps("cuda_flash", _cuda_forward, _cuda_backward, supports_
 MATH = AttentionOps("math", _math_forward, _math_backward, supports_mods=True)
 TRITON = ForestKernel("triton", _triton_forward, _triton_backward)
 BACKENDS = {"cpu_flash": CPU_FLASH, "cuda_flash": CUDA_FLASH, "math": MATH, "triton": TRITON}
-# `auto` on a device without measured timings: the fused kernel (it never materialises scores and serves
-# every score rule), then the device's flash primitives, then the tiled math.
-_UNMEASURED_ORDER = ("triton", "cuda_flash", "cpu_flash", "math")
+
+
+def _unmeasured_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """`auto`'s order on a device without measured timings: the fused kernel (it never materialises scores and
+    serves every score rule), then the device's flash primitives, then the tiled math. Not for fp32 on CUDA:
+    there the fused kernel multiplies in IEEE fp32 without tensor cores (69x slower than ATen's kernels at 2K
+    tokens on an H100, and slower than the tiled math), so it comes last."""
+    if device.type == "cuda" and dtype == torch.float32:
+        return ("cuda_flash", "math", "triton")
+    return ("triton", "cuda_flash", "cpu_flash", "math")
 
 
 def triton_usable(device: torch.device) -> bool:
@@ -215,21 +222,23 @@ def _serves(ops: AttentionOps | ForestKernel, mods: ScoreMods, equal_head_dims: 
     return isinstance(ops, ForestKernel) or ops.supports_mods or (not mods.active and equal_head_dims)
 
 
-def auto_backend(device: torch.device, dtype: torch.dtype, mods: ScoreMods = NO_MODS, equal_head_dims: bool = True) -> str:
-    """The fastest backend measured on this device model and dtype (`backend_timings`) among those that run
-    here and serve these score rules; without timings, the first of `_UNMEASURED_ORDER` that does. Triton
-    counts only compiled: the interpreter is for tests."""
-    candidates = [name for name in _UNMEASURED_ORDER
+def auto_backend(device: torch.device, dtype: torch.dtype, mods: ScoreMods = NO_MODS, equal_head_dims: bool = True,
+                 head_dim: int = 128, longest: int = 2048) -> str:
+    """The fastest backend measured on this device model and dtype (`backend_timings`) at the length nearest
+    `longest` (the longest sequence of the forest), among those that run here and serve these score rules;
+    without timings, the first of `_unmeasured_order` that does. Triton counts only compiled: the interpreter
+    is for tests."""
+    candidates = [name for name in _unmeasured_order(device, dtype)
                   if unusable(name, device, compiled=True) is None and _serves(BACKENDS[name], mods, equal_head_dims)]
-    return backend_timings.fastest(device, dtype, candidates) or candidates[0]
+    return backend_timings.fastest(device, dtype, candidates, head_dim, longest) or candidates[0]
 
 
 def select_ops(name: str, device: torch.device, dtype: torch.dtype = torch.float32, mods: ScoreMods = NO_MODS,
-               equal_head_dims: bool = True) -> AttentionOps | ForestKernel:
+               equal_head_dims: bool = True, head_dim: int = 128, longest: int = 2048) -> AttentionOps | ForestKernel:
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown split-attention backend {name!r}; choose auto, {', '.join(BACKENDS)}")
     if name == "auto":
-        name = auto_backend(device, dtype, mods, equal_head_dims)
+        name = auto_backend(device, dtype, mods, equal_head_dims, head_dim, longest)
     reason = unusable(name, device)
     if reason is not None:
         raise ValueError(f"the {name} split-attention backend {reason}")
@@ -383,5 +392,6 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: F
     if sinks is not None and sinks.shape != (q.shape[0],):
         raise ValueError(f"sinks must hold one logit per head ({q.shape[0]}), got shape {tuple(sinks.shape)}")
     mods = ScoreMods(softcap=softcap, window=window)
-    ops = select_ops(backend, q.device, q.dtype, mods, equal_head_dims=v.shape[-1] == q.shape[-1])
+    ops = select_ops(backend, q.device, q.dtype, mods, equal_head_dims=v.shape[-1] == q.shape[-1], head_dim=q.shape[-1],
+                     longest=layout.longest)
     return _SplitAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, layout, scale, ops, mods)
