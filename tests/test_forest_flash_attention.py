@@ -129,3 +129,30 @@ def test_a_kernel_that_fails_on_the_device_is_named_at_load(monkeypatch, tiny_mo
                                              r"\(OutOfResources.*choose zorro.attention_backend=math"):
         InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
                           "sampler": {"name": "transformers"}})
+
+
+def test_a_kernel_whose_backward_fails_on_the_device_is_named_at_load(monkeypatch, tiny_model):
+    """The load check runs split attention's backward at the model's attention shape too: a backward whose tiles
+    do not fit this GPU (the forward's do) is refused at load, not at the first fwd_bwd."""
+    from triton.runtime.errors import OutOfResources
+
+    from arctic_rl_core.backend import InProcessBackend
+    from arctic_rl_core.errors import InvalidRequest
+    from arctic_rl_kernels import forest_flash_attention
+
+    shapes = []
+
+    def out_of_resources(dout, q, k, *args):
+        shapes.append((q.shape[0], k.shape[0], q.shape[-1], q.dtype))
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(forest_flash_attention, "forest_attention_backward", out_of_resources)
+    with pytest.raises(InvalidRequest, match=r"zorro.attention_backend: the triton kernel fails on this device "
+                                             r"\(OutOfResources.*choose zorro.attention_backend=math"):
+        InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
+                          "sampler": {"name": "transformers"}})
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert shapes == [(config.num_attention_heads, config.num_key_value_heads, head_dim, torch.float32)]
