@@ -57,3 +57,43 @@ def test_bench_zorro_against_the_packed_baseline_with_checkpointing_and_a_token_
     # response (30), then the prompt again with the next response... at most 40 packed tokens each: 24+6+6, 24+6.
     assert result["tokens_naive"] == 3 * 30 and result["tokens_zorro"] == (24 + 2 * 6) + (24 + 6)
     assert result["logprob_max_abs_err"] < 1e-4 and result["grad_rel_err"] < 1e-4
+
+
+def test_the_memory_plan_checkpoints_and_budgets_only_what_the_device_needs():
+    """On an 80 GB GPU at Qwen3-0.6B's shape, G=8: the padded batch ran out of memory at P=4096 without
+    checkpointing while ZoRRo fit at P=16384; the plan checkpoints where the estimate says the batch needs it, adds a
+    token budget past that, and names the flags where one sequence cannot fit."""
+    from transformers import Qwen3Config
+
+    from arctic_rl_bench import zorro_memory
+    from arctic_rl_bench.zorro import _parameters
+
+    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+    h100 = 80 * 10**9
+    args = {"prompt_len": 1024, "response_len": 128, "turns": 1, "group": 8, "groups": 1, "baseline": "padded",
+            "dtype": "bfloat16", "gradient_checkpointing": "auto", "micro_batch_tokens": None}
+    params = _parameters(config)
+    assert 0.5e9 < params < 0.7e9  # Qwen3-0.6B
+    small = zorro_memory.plan(config, args, h100, params)
+    assert small["gradient_checkpointing"] is False and small["micro_batch_tokens"] is None
+    # Measured on the H100 without checkpointing: 39.5 GB padded at P=2048 (18,432 tokens), 70.2 GB ZoRRo at
+    # P=16384 (32,768 tokens); with it at P=16384: 21.1 GB padded, 5.0 GB ZoRRo. Each estimated within 15%.
+    def estimate(prompt_len, mode, checkpointing):
+        computed = zorro_memory.tokens({**args, "prompt_len": prompt_len, "response_len": prompt_len // 8}, mode)
+        return zorro_memory.activation_bytes(config, computed, 2, checkpointing) / 1e9
+
+    assert zorro_memory.tokens({**args, "prompt_len": 8192, "response_len": 1024}, "zorro") == 8192 + 8 * 1024
+    for (prompt_len, mode, checkpointing), measured in {(2048, "naive", False): 39.5, (16384, "zorro", False): 70.2,
+                                                        (16384, "naive", True): 21.1, (16384, "zorro", True): 5.0}.items():
+        assert 0.85 * measured < estimate(prompt_len, mode, checkpointing) < 1.15 * measured
+    at_4k = zorro_memory.plan(config, {**args, "prompt_len": 4096, "response_len": 512}, h100, params)
+    assert at_4k["gradient_checkpointing"] is True and at_4k["micro_batch_tokens"] is None
+    at_64k = zorro_memory.plan(config, {**args, "prompt_len": 65536, "response_len": 8192}, h100, params)
+    assert at_64k["gradient_checkpointing"] is True and 73728 <= at_64k["micro_batch_tokens"] < 8 * 73728
+    assert max(at_64k["estimate_gb"].values()) < 0.85 * 80
+    # Flags set by the user are kept; a sequence that cannot fit names them.
+    forced = zorro_memory.plan(config, {**args, "gradient_checkpointing": "off", "micro_batch_tokens": 4096}, h100, params)
+    assert forced["gradient_checkpointing"] is False and forced["micro_batch_tokens"] == 4096
+    with pytest.raises(SystemExit, match="--prompt-len 1048576: .*--gradient-checkpointing on and --micro-batch-tokens"):
+        zorro_memory.plan(config, {**args, "prompt_len": 2**20, "response_len": 2**17}, h100, params)

@@ -24,11 +24,13 @@ import sys
 import tempfile
 import typing
 
+from arctic_rl_bench.zorro_memory import longest
 from arctic_rl_core.config import ZorroConfig
 
 SEED = 1234
 SPEC = ("family", "preset", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "turns", "group", "groups",
-        "dtype", "attention_backend", "baseline", "micro_batch_tokens", "gradient_checkpointing", "repeats", "threads")
+        "dtype", "attention_backend", "baseline", "micro_batch_tokens", "gradient_checkpointing", "repeats", "threads",
+        "fit_lengths")
 
 
 def build_batch(prompt_len: int, response_len: int, group: int, groups: int, vocab: int):
@@ -70,11 +72,6 @@ def build_episodes(prompt_len: int, response_len: int, turns: int, group: int, g
     return seqs
 
 
-def longest(args: dict) -> int:
-    turns = args["turns"]
-    return args["prompt_len"] + turns * args["response_len"] + (turns - 1) * (args["response_len"] // 2)
-
-
 def worker(mode: str, args: dict, out_dir: str) -> dict:
     """Runs in a child process: one mode, timings, peak memory, outputs saved for comparison."""
     import torch
@@ -90,8 +87,8 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
     backend = InProcessBackend(
         {
             "model_path": args["model_dir"],
-            "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": args["micro_batch_tokens"],
-                       "grad_clip": None, "gradient_checkpointing": args["gradient_checkpointing"]},
+            "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": args["micro_batch_tokens"] or 10**9,
+                       "grad_clip": None, "gradient_checkpointing": args["gradient_checkpointing"] == "on"},
             "zorro": zorro,
             # Nothing here samples: the lightest sampler (a vLLM engine would take start-up time and, on a GPU,
             # half its memory).
@@ -147,11 +144,60 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
             "log_probs_s": lp_s, "log_probs_all_s": lp_all, "log_probs_peak_mb": lp_mem}
 
 
+def largest_without_checkpointing(mode: str, args: dict, out_dir: str) -> dict:
+    """Runs in a child process: fwd_bwd of one mode without checkpointing, all in one micro-batch, at each of
+    `args["fit_lengths"]` (responses an eighth of the prompt) in turn until the device runs out of memory; each
+    length's measured peak beside the plan's estimate."""
+    import torch
+    from transformers import AutoConfig
+
+    from arctic_rl_bench import zorro_memory
+    from arctic_rl_core.backend import InProcessBackend
+
+    zorro = {"enable": mode == "zorro" or args["baseline"] == "packed", "attention_backend": args["attention_backend"],
+             "min_shared_tokens": 1 if mode == "zorro" else 2**62}
+    backend = InProcessBackend({"model_path": args["model_dir"], "zorro": zorro, "sampler": {"name": "transformers"},
+                                "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": 10**9,
+                                           "grad_clip": None, "gradient_checkpointing": False}})
+    config = AutoConfig.from_pretrained(args["model_dir"])
+    dtype_bytes = 4 if args["dtype"] == "float32" else 2
+    trials = []
+    for prompt_len in args["fit_lengths"]:
+        seqs = build_batch(prompt_len, prompt_len // 8, args["group"], args["groups"], backend.engine.vocab_size)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        try:
+            backend.discard_gradients()
+            backend.fwd_bwd(seqs, "grpo")
+            torch.cuda.synchronize()
+        except torch.OutOfMemoryError:
+            trials.append({"prompt_len": prompt_len, "fits": False})
+            break
+        computed = zorro_memory.tokens({**args, "prompt_len": prompt_len, "response_len": prompt_len // 8, "turns": 1}, mode)
+        trials.append({"prompt_len": prompt_len, "fits": True, "peak_gb": (torch.cuda.max_memory_allocated() - start) / 1e9,
+                       "estimate_gb": zorro_memory.activation_bytes(config, computed, dtype_bytes, False) / 1e9})
+    fitting = [t["prompt_len"] for t in trials if t["fits"]]
+    return {"largest_prompt_len": max(fitting, default=None), "trials": trials}
+
+
+def _parameters(config) -> int:
+    from arctic_rl_core.zorro.cost import linear_params_per_layer
+
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    layers = text.num_hidden_layers * linear_params_per_layer(text.hidden_size, text.num_attention_heads,
+                                                              text.num_key_value_heads, head_dim, text.intermediate_size)
+    embeddings = text.vocab_size * text.hidden_size * (1 if getattr(text, "tie_word_embeddings", False) else 2)
+    return layers + embeddings
+
+
 def run(args: dict) -> dict:
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from arctic_rl_bench import zorro_memory
     from arctic_rl_bench.measure import run_worker
     from arctic_rl_core.models.tiny import QWEN3_0_6B, make_tiny_model
     from arctic_rl_core.zorro.cost import Shape, theoretical_speedup
@@ -159,10 +205,23 @@ def run(args: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         args = dict(args)
         size = QWEN3_0_6B if args["preset"] == "qwen3-0.6b" else {k: args[k] for k in ("layers", "hidden", "heads", "kv_heads")}
-        args["model_dir"] = make_tiny_model(args["family"], os.path.join(tmp, "model"), max_positions=longest(args), **size)
+        positions = max([longest(args)] + [p + p // 8 for p in args["fit_lengths"] or []])
+        args["model_dir"] = make_tiny_model(args["family"], os.path.join(tmp, "model"), max_positions=positions, **size)
+        config = AutoConfig.from_pretrained(args["model_dir"])
+        memory = None
+        if torch.cuda.is_available():
+            memory = zorro_memory.plan(config, args, torch.cuda.get_device_properties(0).total_memory, _parameters(config))
+            args.update(gradient_checkpointing="on" if memory["gradient_checkpointing"] else "off",
+                        micro_batch_tokens=memory["micro_batch_tokens"])
+        if args["fit_lengths"]:
+            if not torch.cuda.is_available():
+                raise SystemExit("--largest-without-checkpointing measures a GPU's memory: it needs CUDA")
+            return {"benchmark": "zorro largest prompt without checkpointing", "shape": {k: args[k] for k in SPEC},
+                    "device": torch.cuda.get_device_name(0),
+                    "modes": {mode: run_worker("arctic_rl_bench.zorro", f"fit:{mode}", json.dumps(args), tmp)
+                              for mode in ("naive", "zorro")}}
         results = {mode: run_worker("arctic_rl_bench.zorro", mode, json.dumps(args), tmp) for mode in ("naive", "zorro")}
         naive, zorro = load_file(os.path.join(tmp, "naive.safetensors")), load_file(os.path.join(tmp, "zorro.safetensors"))
-        config = AutoConfig.from_pretrained(args["model_dir"])
     lp_n, lp_z = naive.pop("__logprobs__"), zorro.pop("__logprobs__")
     g_n = torch.cat([naive[k].flatten() for k in sorted(naive)])
     g_z = torch.cat([zorro[k].flatten() for k in sorted(naive)])
@@ -171,7 +230,8 @@ def run(args: dict) -> dict:
     n, z = results["naive"], results["zorro"]
     return {
         "benchmark": "zorro",
-        "shape": {k: args[k] for k in SPEC if k not in ("repeats", "threads")},
+        "shape": {k: args[k] for k in SPEC if k not in ("repeats", "threads", "fit_lengths")},
+        "memory_plan": memory,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
         "repeats": args["repeats"],
         "tokens_naive": n["computed_tokens"],
@@ -216,8 +276,13 @@ def add_arguments(p) -> None:
                    default="auto", help="ZoRRo's split attention (zorro.attention_backend)")
     p.add_argument("--baseline", choices=["padded", "packed"], default="padded",
                    help="ZoRRo off as a right-padded batch with SDPA, or packed unshared with ZoRRo's own kernels")
-    p.add_argument("--micro-batch-tokens", type=int, default=10**9, help="the engine's token budget per micro-batch")
-    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="the engine's token budget per micro-batch (default: all in one; on a GPU, what the memory plan needs)")
+    p.add_argument("--gradient-checkpointing", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="auto: off on a CPU; on a GPU, on only where the activation estimate says the batch needs it")
+    p.add_argument("--largest-without-checkpointing", dest="fit_lengths", type=int, nargs="*", default=None, metavar="P",
+                   help="instead: the largest of these prompt lengths (default 1K to 32K; responses P/8) at which each "
+                        "mode's fwd_bwd fits on this GPU without checkpointing, measured")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", action="store_true")
@@ -227,12 +292,19 @@ def main(args) -> int:
     spec = {k: getattr(args, k) for k in SPEC}
     if spec["preset"] == "qwen3-0.6b":
         spec["family"] = "qwen3"
+    if spec["fit_lengths"] == []:
+        spec["fit_lengths"] = [1024 * 2**i for i in range(6)]
     for name in ("prompt_len", "response_len", "turns", "group", "groups", "layers", "hidden", "repeats", "micro_batch_tokens"):
-        if spec[name] < 1:
+        if spec[name] is not None and spec[name] < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     result = run(spec)
     if args.json:
         print(json.dumps(result))
+    elif spec["fit_lengths"]:
+        for mode, fit in result["modes"].items():
+            print(f"{mode}: largest prompt without checkpointing {fit['largest_prompt_len']}  " + "  ".join(
+                f"P={t['prompt_len']}: " + (f"{t['peak_gb']:.1f} GB (est. {t['estimate_gb']:.1f})" if t["fits"] else "out of memory")
+                for t in fit["trials"]))
     else:
         theory = f"theory {result['theory']:.2f}x" if result["theory"] else "no FLOP model for multi-turn"
         print(f"tokens:    naive {result['tokens_naive']}  zorro {result['tokens_zorro']}")
@@ -241,6 +313,11 @@ def main(args) -> int:
         lp = result["log_probs"]
         print(f"log_probs: naive {lp['naive_s']:.3f}s  zorro {lp['zorro_s']:.3f}s  speedup {lp['speedup']:.2f}x  "
               f"peak MB {lp['peak_mem_naive_mb']:.0f} -> {lp['peak_mem_zorro_mb']:.0f}")
+        if result["memory_plan"]:
+            plan = result["memory_plan"]
+            print(f"memory plan: gradient checkpointing {'on' if plan['gradient_checkpointing'] else 'off'}, micro-batch "
+                  f"tokens {plan['micro_batch_tokens'] or 'all'}, activations estimated " +
+                  ", ".join(f"{mode} {gb:.1f} GB" for mode, gb in plan["estimate_gb"].items()))
         print(f"parity: logprob max abs err {result['logprob_max_abs_err']:.2e}, grad rel err {result['grad_rel_err']:.2e}")
     return 0
 
@@ -248,4 +325,8 @@ def main(args) -> int:
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     from arctic_rl_bench.measure import worker_main
 
-    worker_main(worker, str, json.loads, str)
+    def by_mode(mode: str, args: dict, out_dir: str) -> dict:
+        kind, _, name = mode.rpartition(":")
+        return (largest_without_checkpointing if kind == "fit" else worker)(name, args, out_dir)
+
+    worker_main(by_mode, str, json.loads, str)
