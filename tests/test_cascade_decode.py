@@ -2,16 +2,29 @@
 code path. Without CUDA the kernel runs under the Triton interpreter (small shapes)."""
 
 import argparse
+import itertools
 import json
 import math
 import random
 from collections import Counter
+from dataclasses import fields
 
 import pytest
 import torch
 
-from arctic_rl_kernels.cascade_decode import CHUNK, INTERPRETED, DecodeForest, cascade_decode, kv_read_bytes
-from arctic_rl_kernels.cascade_decode_reference import cascade_decode_reference
+from arctic_rl_kernels.cascade_decode import (
+    CHUNKS,
+    INTERPRETED,
+    DecodeForest,
+    DecodePlan,
+    LaunchConfig,
+    cascade_decode,
+    fill_chunk,
+    kv_read_bytes,
+    launch_config,
+    merge_partials,
+)
+from arctic_rl_kernels.cascade_decode_reference import cascade_decode_reference, merge_reference
 
 # Without CUDA the kernel runs under Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,17 +82,124 @@ SHAPES = [(4, 2, 16, 16), (2, 2, 32, 16), (4, 1, 16, 32), (3, 3, 16, 16)]
 @pytest.mark.parametrize("seed", range(6))
 def test_random_forests_match_reference_fp32(seed):
     """Trees of depth 1 to 3; chunks shorter than segments (split-K), reader blocks smaller than a segment's
-    readers, chunks shorter and longer than the interpreter's key tile."""
+    readers, chunks shorter and longer than the key tile; launches that merge 1 to 16 slots a step."""
     rng = random.Random(seed)
     depth = 1 + seed % 3
     forest = random_forest(rng, trees=1 + seed % 2, max_children=3, max_len=[40, 16, 8][depth - 1], depth=depth)
     chunk, block_r = rng.choice([4, 8, 16]), rng.choice([1, 2, 3])
+    launch = LaunchConfig(block_n=rng.choice([16, 32]), num_warps=4, num_stages=1, merge_slots=rng.choice([1, 2, 16]))
     H, Hkv, D, DV = SHAPES[seed % len(SHAPES)]
     q, k, v = inputs(forest, H, Hkv, D, DV, seed=seed)
-    out, lse = cascade_decode(q, k, v, forest, D**-0.5, chunk=chunk, block_r=block_r, return_lse=True)
+    out, lse = cascade_decode(q, k, v, forest, D**-0.5, chunk=chunk, block_r=block_r, launch=launch, return_lse=True)
     assert_fp32_parity(out, cascade_decode_reference(q, k, v, forest, D**-0.5))
     assert lse.dtype == torch.float32
     assert (lse - reference_lse(q, k, forest, D**-0.5)).abs().max() <= 1e-5 * lse.abs().max()
+
+
+def test_every_element_the_kernels_write_is_checked(monkeypatch):
+    """Every buffer cascade_decode allocates starts as NaN: a partial slot the first kernel leaves unwritten, or an
+    output element the merge leaves unwritten, fails parity (a reused allocation could hold a right answer)."""
+    forest = random_forest(random.Random(4), trees=2, max_children=3, max_len=20, depth=2)
+    q, k, v = inputs(forest, 4, 2, 16, 24, seed=4)
+    ref, ref_lse = cascade_decode_reference(q, k, v, forest, 0.25), reference_lse(q, k, forest, 0.25)
+    empty, poisoned = torch.empty, []
+
+    def poisoned_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        poisoned.append(t.shape)
+        return t.fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    out, lse = cascade_decode(q, k, v, forest, 0.25, chunk=8, block_r=2, return_lse=True)
+    monkeypatch.undo()
+    assert len(poisoned) == 4  # the partials and their LSEs, the output and its LSE
+    assert_fp32_parity(out, ref)
+    assert (lse - ref_lse).abs().max() <= 1e-5 * ref_lse.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("merge_slots", [1, 4, 16])
+def test_merge_kernel_matches_reference(dtype, merge_slots):
+    """Sequences of 1 to 13 slots in shuffled order (one step of slots, several, a partial last one); LSEs near
+    +-200 per sequence (exp of one alone overflows fp32) that differ by a few within most, so every slot counts; a
+    value head size the kernel pads. Outputs start as NaN: an element the kernel does not write fails."""
+    gen = torch.Generator().manual_seed(5)
+    counts, offsets, H, DV = [1, 3, 4, 5, 13], [200.0, -200.0, 0.0, 150.0, -150.0], 3, 24
+    seq_slots = torch.randperm(sum(counts), generator=gen).int()
+    seq_slot_start = torch.tensor([0, *itertools.accumulate(counts)]).int()
+    part_out = torch.randn(sum(counts), H, DV, generator=gen)
+    part_lse = 3 * torch.randn(sum(counts), H, generator=gen)
+    part_lse[seq_slots.long()] += torch.tensor(offsets).repeat_interleave(torch.tensor(counts))[:, None]
+    # The last sequence's first slot dwarfs the rest: a max not kept across steps of slots overflows there.
+    part_lse[seq_slots[-counts[-1]]] += 100
+    ref_out, ref_lse = merge_reference(part_out, part_lse, seq_slot_start, seq_slots)
+    out = torch.full((len(counts), H, DV), float("nan"), dtype=dtype, device=DEVICE)
+    lse = torch.full((len(counts), H), float("nan"), device=DEVICE)
+    merge_partials(*(t.to(DEVICE) for t in (part_out, part_lse, seq_slot_start, seq_slots)), out, lse, merge_slots)
+    out, lse = out.cpu(), lse.cpu()
+    assert (out.float() - ref_out).abs().max() <= (1e-5 if dtype == torch.float32 else 1e-2) * ref_out.abs().max()
+    assert (lse - ref_lse).abs().max() <= 1e-5 * ref_lse.abs().max()
+
+
+def test_merge_reference_is_the_softmax_over_all_keys():
+    """The merge reference against a softmax over the concatenated keys of a sequence's split parts."""
+    gen = torch.Generator().manual_seed(6)
+    scores, values = torch.randn(2, 30, generator=gen), torch.randn(2, 30, 5, generator=gen)  # [H, keys], [H, keys, DV]
+    parts = [(0, 7), (7, 8), (8, 30)]
+    part_lse = torch.stack([torch.logsumexp(scores[:, a:b], -1) for a, b in parts])
+    part_out = torch.stack([(torch.softmax(scores[:, a:b], -1)[..., None] * values[:, a:b]).sum(1) for a, b in parts])
+    out, lse = merge_reference(part_out, part_lse, torch.tensor([0, 3]), torch.tensor([2, 0, 1]))
+    assert torch.allclose(out[0], (torch.softmax(scores, -1)[..., None] * values).sum(1), atol=1e-6)
+    assert torch.allclose(lse[0], torch.logsumexp(scores, -1), atol=1e-6)
+
+
+def test_plan_lists_each_sequences_slots():
+    """The merge's CSR: sequence b's slots are exactly the slots its reader entries write, each slot listed once."""
+    forest = random_forest(random.Random(3), trees=2, max_children=3, max_len=20, depth=2)
+    plan = forest.plan(chunk=4, block_r=2)
+    start, listed = plan.seq_slot_start.tolist(), plan.seq_slots.tolist()
+    writer = {s: b for block, slots in zip(plan.readers.tolist(), plan.slots.tolist())
+              for b, s in zip(block, slots) if b >= 0}
+    assert sorted(writer) == sorted(listed) == list(range(plan.num_slots))
+    assert start[0] == 0 and start[-1] == plan.num_slots and len(start) == forest.num_sequences + 1
+    for b in range(forest.num_sequences):
+        assert sorted(listed[start[b] : start[b + 1]]) == sorted(s for s, reader in writer.items() if reader == b)
+
+
+def test_plan_goes_to_the_device_as_one_aligned_buffer():
+    """One copy per plan and device; each tensor 16-byte aligned (Triton compiles per pointer alignment)."""
+    tables, lengths = paged_case(random.Random(2), block_size=4)
+    host = DecodeForest.from_block_tables(tables, lengths, 4).plan(chunk=4, block_r=2)
+    moved = host.to(torch.device(DEVICE))
+    names = [f.name for f in fields(host) if isinstance(getattr(host, f.name), torch.Tensor)]
+    assert "key_rows" in names and "seq_slots" in names
+    for name in names:
+        t = getattr(moved, name)
+        assert torch.equal(t.cpu(), getattr(host, name)) and t.dtype == torch.int32 and t.data_ptr() % 16 == 0
+    assert len({getattr(moved, name).untyped_storage().data_ptr() for name in names}) == 1
+
+
+def test_a_forest_is_planned_and_uploaded_once_for_all_its_calls(monkeypatch):
+    """vLLM's backend finds a step's forest once and calls cascade_decode with it in every layer: only the first
+    call builds and uploads the plan."""
+    built, uploaded = [], []
+    build, upload = DecodeForest._build_plan, DecodePlan.to
+    monkeypatch.setattr(DecodeForest, "_build_plan", lambda self, *a: built.append(a) or build(self, *a))
+    monkeypatch.setattr(DecodePlan, "to", lambda self, device: uploaded.append(device) or upload(self, device))
+    forest = DecodeForest.groups([20], [[3, 5]])
+    q, k, v = inputs(forest, 4, 2, 16, 16)
+    first = cascade_decode(q, k, v, forest, 0.25, chunk=8)
+    assert torch.equal(cascade_decode(q, k, v, forest, 0.25, chunk=8), first)
+    assert len(built) == 1 and len(uploaded) == (DEVICE != "cpu")  # on CPU the host plan is the device's
+
+
+def test_default_launch():
+    """Hopper's 16-bit head size 128: 64-key tiles, 4 warps, 3 stages; fp32 halves the tile; head size 256 takes
+    2 stages; the interpreter small tiles."""
+    assert launch_config(torch.bfloat16, 128, interpreted=False) == LaunchConfig(64, 4, 3, merge_slots=32)
+    assert launch_config(torch.float32, 128, interpreted=False).block_n == 32
+    assert launch_config(torch.bfloat16, 256, interpreted=False).num_stages == 2
+    assert launch_config(torch.bfloat16, 128, interpreted=True).block_n == 16
 
 
 def test_groups_with_nested_prefixes_and_multi_turn_chains():
@@ -224,7 +344,7 @@ def test_bench_refuses_to_time_on_cpu():
 
 @pytest.mark.skipif(not INTERPRETED, reason="the smoke run needs the kernel imported under the interpreter")
 def test_bench_interpret_smoke(capsys):
-    cascade, args = bench_args("--interpret-smoke", "--json")
+    cascade, args = bench_args("--interpret-smoke", "--sweep", "--json")
     assert cascade.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "mean nothing" in result["note"]
@@ -233,7 +353,18 @@ def test_bench_interpret_smoke(capsys):
         # the prompt is read once instead of once per sample; the samples' own tokens are read once either way
         prompt, suffix = cascade.SMOKE["prompt_len"], cascade.SMOKE["suffix_len"]
         assert r["bound_speedup"] == pytest.approx((r["group"] * (prompt + suffix)) / (prompt + r["group"] * suffix))
-        assert r["cascade"]["bound_tokens_per_s"] is None  # no bandwidth given: no read bound
+        for variant in ("cascade", "unshared"):
+            x = r[variant]
+            assert x["graph_s"] is None and x["timed_by"] == "eager" and x["eager_s"] > 0  # no CUDA graphs on CPU
+            assert x["tokens_per_s"] == pytest.approx(r["group"] / x["eager_s"])
+            assert x["bound_tokens_per_s"] is None and x["of_bound"] is None  # no bandwidth given: no read bound
+    grid = cascade.SMOKE_SWEEP
+    assert [s["group"] for s in result["sweep"]] == cascade.SMOKE["group"]
+    for s in result["sweep"]:
+        assert len(s["tried"]) == math.prod(map(len, grid.values()))
+        assert all("error" not in t and t["parity_max_rel_err"] <= 1e-2 for t in s["tried"])
+        assert s["best"]["eager_s"] == min(t["eager_s"] for t in s["tried"])
+        assert (s["default"]["chunk"], s["default"]["block_n"]) == (cascade.SMOKE["chunk"], 16)
 
 
 def test_bench_host_plan_times_what_the_vllm_backend_plans_per_step(capsys):
@@ -296,7 +427,7 @@ def test_paged_cache_through_block_tables_matches_reference(seed):
     distinct = {t[i // block_size] * block_size + i % block_size for t, n in zip(tables, lengths) for i in range(n)}
     assert forest.num_tokens == len(distinct) == len(set(forest.key_rows))
     assert (cascade_decode(q, k_cache, v_cache, forest.unshared(), 0.25).cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
-    assert forest.plan(CHUNK, 8).keys_read == len(distinct)
+    assert forest.plan(CHUNKS[0], 8).keys_read == len(distinct)
 
 
 def test_block_tables_share_only_what_is_shared():
@@ -321,3 +452,21 @@ def test_block_tables_of_a_32k_prompt_are_one_shared_segment():
     assert forest.segments == ((0, 32768),) + tuple((32768 + 5 * i, 32768 + 5 * (i + 1)) for i in range(4))
     assert forest.chains == tuple((0, i + 1) for i in range(4))
     assert forest.key_rows[:32768] == tuple(range(32768)) and forest.key_rows[32768:32773] == tuple(range(32768, 32773))
+
+
+def test_the_key_chunk_splits_the_shared_prompt_to_fill_the_device(monkeypatch):
+    """The chunks an H100 (132 multiprocessors) gets at the shapes swept on one (8 KV heads, 32 readers per item):
+    the fastest measured there, or within 7% of it; segments read by one sequence do not count, unless none is
+    shared."""
+    from arctic_rl_kernels import cascade_decode as cd
+
+    monkeypatch.setattr(cd, "_multiprocessors", lambda device: 132)
+    gpu = torch.device("cuda")  # only its multiprocessor count is read
+    picks = {(P, G): fill_chunk(DecodeForest.groups([P], [[512] * G]), 8, 32, gpu)
+             for P, G in ((32768, 8), (32768, 16), (32768, 32), (32768, 64), (4096, 8), (4096, 64))}
+    assert picks == {(32768, 8): 2048, (32768, 16): 2048, (32768, 32): 2048, (32768, 64): 2048, (4096, 8): 256,
+                     (4096, 64): 512}
+    # Nothing shared: every segment counts (a 4K prompt once per sample is 8 x 2 items of 2048 keys, and 8 more).
+    assert fill_chunk(DecodeForest.groups([4096], [[512] * 8]).unshared(), 8, 32, gpu) == 2048
+    assert fill_chunk(DecodeForest.groups([4096], [[512]]), 8, 32, gpu) == 512
+    assert fill_chunk(DecodeForest.groups([64], [[4]]), 1, 32, gpu) == CHUNKS[-1]  # nothing fills it: the finest

@@ -4,8 +4,11 @@ a chain of segments (shared prefixes, root to leaf, then its own suffix) in one 
 A shared segment's K/V is read once for all the sequences that read it: one work item stacks the
 query heads of every reader of one KV head as the rows of one tile (GQA without repeating K/V), as
 FlashInfer's shared-prefix cascade decode does. Long segments are split into key chunks (split-K, as
-in flash-decoding) so a 32K prompt has parallelism. Each (item, KV head) program writes a partial
-output and log-sum-exp per reader; partials are merged per sequence by LSE.
+in flash-decoding), as finely as it takes to give every multiprocessor a program at the forest's G and
+prompt length (`fill_chunk`). Each (item, KV head) program writes a partial
+output and log-sum-exp per reader into a slot; a second kernel merges each sequence's slots by LSE, reading
+them through the plan's list of slots per sequence. The plan is built once per forest, on the host, and
+uploaded once per device: vLLM's backend finds the forest once per decoding step and every layer reuses it.
 
 `DecodeForest.unshared()` is the baseline with the same kernel: every sequence reads its own copy of
 each range, as plain paged decoding does. `DecodeForest.from_block_tables` finds the forest of a paged
@@ -15,8 +18,9 @@ cache lays out a group's prompt, share them; keys are then read through their ca
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Sequence
 
 import torch
@@ -25,8 +29,8 @@ import triton.language as tl
 
 from arctic_rl_kernels.triton_device import check_device, interpreted, on_device
 
-CHUNK = 512
-"""Keys per work item: a 32K prompt becomes 64 items per KV head."""
+CHUNKS = (2048, 1024, 512, 256)
+"""Keys per work item, largest first: `fill_chunk` picks one per forest."""
 ROWS = 64
 """Query rows per tile by default: readers per work item are ROWS // (H // Hkv); a segment read by more
 sequences is read once per block of that many."""
@@ -34,17 +38,18 @@ sequences is read once per block of that many."""
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """The work items of one forest, as tensors on one device (int32 for the kernel).
+    """The work items of one forest, as int32 tensors on one device.
 
-    Item i covers keys [k0[i], k1[i]) of one segment for the sequences readers[i] (-1 padded);
-    reader j of item i writes its partial to slot slots[i, j]. slot_seq[s] is slot s's sequence
-    (int64, for the merge's index ops)."""
+    Item i covers keys [k0[i], k1[i]) of one segment for the sequences readers[i] (-1 padded); reader j of
+    item i writes its partial to slot slots[i, j]. The merge reads sequence b's slots from a CSR list:
+    seq_slots[seq_slot_start[b] : seq_slot_start[b + 1]]."""
 
     k0: torch.Tensor
     k1: torch.Tensor
     readers: torch.Tensor
     slots: torch.Tensor
-    slot_seq: torch.Tensor
+    seq_slot_start: torch.Tensor
+    seq_slots: torch.Tensor
     block_r: int
     key_rows: torch.Tensor | None = None
     """int32 cache row of each logical key (a paged forest's), else None."""
@@ -53,6 +58,27 @@ class DecodePlan:
     def keys_read(self) -> int:
         """Keys the items read per KV head: a key is read once per item covering it."""
         return int((self.k1 - self.k0).sum())
+
+    @property
+    def num_slots(self) -> int:
+        return self.seq_slots.numel()
+
+    def to(self, device: torch.device | str) -> DecodePlan:
+        """This plan on `device` in one copy: a decoding step's first layer uploads it with one transfer that does
+        not wait for the work already queued on the device (vLLM reuses the plan in every layer of the step)."""
+        names = [f.name for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        tensors = [getattr(self, name) for name in names]
+        # Each tensor padded to 16 bytes: Triton compiles a kernel per pointer alignment, so unaligned views of one
+        # buffer would compile new variants as plans change.
+        sizes = [-(-t.numel() // 4) * 4 for t in tensors]
+        packed = torch.zeros(sum(sizes), dtype=torch.int32)
+        for t, view in zip(tensors, packed.split(sizes)):
+            view[: t.numel()] = t.flatten()
+        if torch.device(device).type == "cuda":
+            packed = packed.pin_memory()  # a pinned copy is asynchronous; a pageable one synchronizes the stream
+        packed = packed.to(device, non_blocking=True)
+        return replace(self, **{name: view[: t.numel()].view(t.shape)
+                                for name, t, view in zip(names, tensors, packed.split(sizes))})
 
 
 @dataclass(frozen=True)
@@ -91,6 +117,12 @@ class DecodeForest:
                 raise ValueError(f"key_rows must hold a cache row >= 0 for each of the {self.num_tokens} keys the "
                                  f"segments name; got {len(self.key_rows)}")
         object.__setattr__(self, "_plans", {})
+        counts = [0] * len(self.segments)
+        for chain in self.chains:
+            for i in chain:
+                counts[i] += 1
+        object.__setattr__(self, "reader_counts", tuple(counts))
+        """How many sequences read each segment."""
         # The cache rows a call needs, checked per call without a pass over key_rows.
         object.__setattr__(self, "rows_needed", self.num_tokens if self.key_rows is None else max(self.key_rows) + 1)
 
@@ -192,10 +224,7 @@ class DecodeForest:
         if host_key not in self._plans:
             self._plans[host_key] = self._build_plan(chunk, block_r)
         if key not in self._plans:
-            host = self._plans[host_key]
-            self._plans[key] = DecodePlan(*(t.to(device) for t in (host.k0, host.k1, host.readers, host.slots,
-                                                                 host.slot_seq)), block_r,
-                                          None if host.key_rows is None else host.key_rows.to(device))
+            self._plans[key] = self._plans[host_key].to(device)
         return self._plans[key]
 
     def _build_plan(self, chunk: int, block_r: int) -> DecodePlan:
@@ -216,8 +245,12 @@ class DecodeForest:
         slots = torch.full_like(readers, -1)
         live = readers >= 0
         slots[live] = torch.arange(int(live.sum()), dtype=torch.int32)
+        # Slots are numbered item by item; the merge reads them sequence by sequence.
+        slot_seq = torch.tensor(slot_seq, dtype=torch.long)
+        seq_slot_start = torch.zeros(self.num_sequences + 1, dtype=torch.int32)
+        seq_slot_start[1:] = torch.bincount(slot_seq, minlength=self.num_sequences).cumsum(0)
         return DecodePlan(torch.tensor(k0, dtype=torch.int32), torch.tensor(k1, dtype=torch.int32), readers, slots,
-                          torch.tensor(slot_seq, dtype=torch.long), block_r,
+                          seq_slot_start, torch.argsort(slot_seq, stable=True).to(torch.int32), block_r,
                           None if self.key_rows is None else torch.tensor(self.key_rows, dtype=torch.int32))
 
 
@@ -279,19 +312,75 @@ def _partials_kernel(
     tl.store(lse_ptr + slot * H + head, lse, mask=live)
 
 
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, seq_slot_start_ptr, seq_slots_ptr, out_ptr, lse_ptr, H, DV,
+                  BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """One program per (sequence, query head): out = sum_i exp(lse_i - lse) * out_i and lse = logsumexp_i lse_i
+    over the sequence's slots i, BLOCK_S slots at a time with a running max (online, in fp32)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(seq_slot_start_ptr + seq)
+    last = tl.load(seq_slot_start_ptr + seq + 1)
+    dv = tl.arange(0, BLOCK_DV)
+    top = tl.full([], float("-inf"), tl.float32)  # the largest slot LSE so far
+    den = tl.zeros([], tl.float32)  # sum of exp(lse_i - top)
+    acc = tl.zeros([BLOCK_DV], tl.float32)  # sum of exp(lse_i - top) * out_i
+    for s0 in range(first, last, BLOCK_S):
+        i = s0 + tl.arange(0, BLOCK_S)
+        inside = i < last
+        slot = tl.load(seq_slots_ptr + i, mask=inside, other=0).to(tl.int64)
+        lse = tl.load(part_lse_ptr + slot * H + head, mask=inside, other=float("-inf"))
+        top_new = tl.maximum(top, tl.max(lse, 0))  # finite: every block holds a slot
+        alpha = tl.exp(top - top_new)
+        w = tl.exp(lse - top_new)
+        part = tl.load(part_out_ptr + slot[:, None] * (H * DV) + head * DV + dv[None, :],
+                       mask=inside[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha + tl.sum(w[:, None] * part, 0)
+        den = den * alpha + tl.sum(w, 0)
+        top = top_new
+    row = seq.to(tl.int64) * H + head
+    tl.store(out_ptr + row * DV + dv, (acc / den).to(out_ptr.dtype.element_ty), mask=dv < DV)
+    tl.store(lse_ptr + row, top + tl.log(den))
+
+
 INTERPRETED = interpreted(_partials_kernel)
 _DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, slot_seq: torch.Tensor, num_sequences: int):
-    """Per sequence, the LSE-weighted sum of its slots' partials: [B, H, DV] and lse [B, H], fp32."""
-    H = lse.shape[1]
-    top = torch.full((num_sequences, H), float("-inf"), device=lse.device)
-    top = top.scatter_reduce(0, slot_seq[:, None].expand(-1, H), lse, "amax")
-    w = torch.exp(lse - top[slot_seq])
-    den = torch.zeros_like(top).index_add_(0, slot_seq, w)
-    num = torch.zeros((num_sequences, H, out.shape[-1]), device=out.device).index_add_(0, slot_seq, out * w[..., None])
-    return num / den[..., None], top + torch.log(den)
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the kernels run: the partials kernel's keys per tile, warps and software-pipeline stages, and the
+    merge's slots per step."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    merge_slots: int
+
+
+def launch_config(dtype: torch.dtype, head_dim: int, interpreted: bool = INTERPRETED) -> LaunchConfig:
+    """The default launch: for Hopper, 16-bit K/V of head size 128 in 64-key tiles (32 KiB of K and V per
+    stage), three stages in flight. `bench cascade --sweep` times others on a GPU."""
+    if interpreted:
+        # Small tiles keep the interpreter's numpy ops small, and let small tests span several of them.
+        return LaunchConfig(block_n=16, num_warps=4, num_stages=1, merge_slots=4)
+    elem = torch.finfo(dtype).bits // 8
+    block_n = 64 if elem == 2 else 32  # fp32 halves the tile: the same bytes per stage
+    stage_bytes = block_n * 2 * head_dim * elem
+    # Three stages while K and V take at most 96 KiB: the default's kernel then holds 112 KiB of shared memory on
+    # sm_90, so two programs still fit an SM (228 KiB on Hopper).
+    return LaunchConfig(block_n, num_warps=4, num_stages=3 if 3 * stage_bytes <= 96 * 1024 else 2, merge_slots=32)
+
+
+def merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, seq_slot_start: torch.Tensor,
+                   seq_slots: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, merge_slots: int) -> None:
+    """Writes into out [B, H, DV] (any float dtype) and lse [B, H] (fp32) each sequence's merge of its slots'
+    partials, part_out [slots, H, DV] and part_lse [slots, H] (fp32, contiguous); sequence b's slots are
+    seq_slots[seq_slot_start[b] : seq_slot_start[b + 1]] (int32)."""
+    (B, H, DV) = out.shape
+    with on_device(out.device):
+        _merge_kernel[(B, H)](part_out, part_lse, seq_slot_start, seq_slots, out, lse, H, DV,
+                              BLOCK_S=merge_slots, BLOCK_DV=triton.next_power_of_2(DV))
 
 
 def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, forest: DecodeForest) -> None:
@@ -322,50 +411,79 @@ def default_block_r(heads: int, kv_heads: int) -> int:
     return max(1, ROWS // (heads // kv_heads))
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    # Under the interpreter (a CPU) one program at a time: the longest items, the fewest programs.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def fill_chunk(forest: DecodeForest, kv_heads: int, block_r: int, device: torch.device) -> int:
+    """The largest of `CHUNKS` that splits the shared segments (those with several readers; every segment where none
+    is shared) into at least one program per two multiprocessors of `device` (times the KV heads): the shared
+    prompt is nearly all of the K/V read, and fewer, longer items stream it with less to merge. On an H100, at the
+    six shapes swept (32K prompts at G = 8, 16, 32, 64; 4K at G = 8, 64) this pick ran within 7% of the fastest
+    chunk, within 2% at five; a fixed chunk was up to 18% off (2048 at a 4K prompt, G=64) or 11% (512 at 32K, G=8)
+    (docs/benchmarks.md)."""
+    shared = [i for i, readers in enumerate(forest.reader_counts) if readers > 1] or range(len(forest.segments))
+    for chunk in CHUNKS:
+        items = sum(-(-(forest.segments[i][1] - forest.segments[i][0]) // chunk) * -(-forest.reader_counts[i] // block_r)
+                    for i in shared)
+        if 2 * items * kv_heads >= _multiprocessors(device):
+            return chunk
+    return CHUNKS[-1]
+
+
 def cascade_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, forest: DecodeForest, scale: float,
-                   *, chunk: int = CHUNK, block_r: int | None = None, return_lse: bool = False):
+                   *, chunk: int | None = None, block_r: int | None = None, launch: LaunchConfig | None = None,
+                   return_lse: bool = False):
     """One decoding step's attention: q [B, H, D] (one query token per sequence), k_cache [Hkv, T, D],
     v_cache [Hkv, T, DV] (any strides: a paged cache's [blocks * block_size, Hkv, D] seen as [Hkv, T, D]);
     sequence b attends to the keys of the segments in forest.chains[b]: cache rows themselves, or for a
     paged forest (`DecodeForest.from_block_tables`) the rows its `key_rows` name.
 
-    A work item covers at most `chunk` keys of one segment for at most `block_r` of its readers (default:
-    `default_block_r`). Returns out [B, H, DV] in q's dtype, and with `return_lse` also the log-sum-exp
-    [B, H] in fp32."""
+    A work item covers at most `chunk` keys of one segment (default: `fill_chunk`) for at most `block_r` of its
+    readers (default: `default_block_r`); `launch` defaults to `launch_config`. Returns out [B, H, DV] in q's dtype, and with
+    `return_lse` also the log-sum-exp [B, H] in fp32."""
     _check(q, k_cache, v_cache, forest)
     (B, H, D), (Hkv, _, DV) = q.shape, v_cache.shape
     block_r = default_block_r(H, Hkv) if block_r is None else block_r
+    chunk = fill_chunk(forest, Hkv, block_r, q.device) if chunk is None else chunk
+    launch = launch_config(q.dtype, D) if launch is None else launch
     plan = forest.plan(chunk, block_r, q.device)
     group = H // Hkv
-    slots = plan.slot_seq.numel()
-    out = torch.empty((slots, H, DV), dtype=torch.float32, device=q.device)
-    lse = torch.empty((slots, H), dtype=torch.float32, device=q.device)
+    part_out = torch.empty((plan.num_slots, H, DV), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((plan.num_slots, H), dtype=torch.float32, device=q.device)
     # tl.dot needs every dim >= 16: rows, key tile and head sizes are padded and masked. The interpreter's
     # bf16 tl.dot multiplies bit patterns (triton issue #11584): there every dot runs in fp32.
     dot_dtype = tl.float32 if INTERPRETED else _DOT_DTYPES[q.dtype]
     with on_device(q.device):
         _partials_kernel[(plan.k0.numel(), Hkv)](
-            q, k_cache, v_cache, out, lse, plan.k0, plan.k1, plan.readers, plan.slots,
+            q, k_cache, v_cache, part_out, part_lse, plan.k0, plan.k1, plan.readers, plan.slots,
             plan.k0 if plan.key_rows is None else plan.key_rows, *q.stride(), *k_cache.stride(), *v_cache.stride(),
             scale * math.log2(math.e), H, D, DV,
             GROUP=group, BLOCK_R=block_r, BLOCK_M=max(16, triton.next_power_of_2(block_r * group)),
-            BLOCK_N=16 if INTERPRETED else 64,
+            BLOCK_N=launch.block_n,
             BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
             DOT_DTYPE=dot_dtype,
             # fp32 dots in IEEE fp32: TF32 would break fp32 parity. 16-bit inputs take the default.
             PRECISION="ieee" if dot_dtype == tl.float32 else None, PAGED=plan.key_rows is not None,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
-    merged, merged_lse = _merge(out, lse, plan.slot_seq, B)
-    return (merged.to(q.dtype), merged_lse) if return_lse else merged.to(q.dtype)
+    out = torch.empty((B, H, DV), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H), dtype=torch.float32, device=q.device)
+    merge_partials(part_out, part_lse, plan.seq_slot_start, plan.seq_slots, out, lse, launch.merge_slots)
+    return (out, lse) if return_lse else out
 
 
 def kv_read_bytes(forest: DecodeForest, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
-                  chunk: int = CHUNK, block_r: int | None = None) -> int:
+                  chunk: int | None = None, block_r: int | None = None) -> int:
     """K/V bytes that `cascade_decode` with these arguments reads from the cache: each item's keys once
     per KV head.
 
     With every segment's readers in one block, a cascade forest reads each segment once per KV head;
     its `unshared()` forest reads each segment once per reader."""
-    plan = forest.plan(chunk, default_block_r(q.shape[1], k_cache.shape[0]) if block_r is None else block_r)
+    block_r = default_block_r(q.shape[1], k_cache.shape[0]) if block_r is None else block_r
+    chunk = fill_chunk(forest, k_cache.shape[0], block_r, q.device) if chunk is None else chunk
+    plan = forest.plan(chunk, block_r)
     per_key = k_cache.shape[-1] * k_cache.element_size() + v_cache.shape[-1] * v_cache.element_size()
     return plan.keys_read * k_cache.shape[0] * per_key

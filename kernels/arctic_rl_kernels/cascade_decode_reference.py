@@ -26,3 +26,19 @@ def cascade_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         scores = (k @ q[b].float()[:, :, None])[..., 0] * scale  # [H, L]
         out.append((torch.softmax(scores, dim=-1)[:, None, :] @ v)[:, 0])  # [H, DV]
     return torch.stack(out).to(q.dtype)
+
+
+def merge_reference(part_out: torch.Tensor, part_lse: torch.Tensor, seq_slot_start: torch.Tensor,
+                    seq_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge of split partials, part_out [slots, H, DV] and part_lse [slots, H]: sequence b's output is
+    sum_i exp(lse_i - lse) * out_i over its slots i = seq_slots[seq_slot_start[b] : seq_slot_start[b + 1]], and
+    lse = logsumexp_i lse_i. Returns out [B, H, DV] and lse [B, H], fp32."""
+    out, lse = [], []
+    for first, last in zip(seq_slot_start[:-1].tolist(), seq_slot_start[1:].tolist()):
+        slots = seq_slots[first:last].long()
+        top = part_lse[slots].max(0).values
+        w = torch.exp(part_lse[slots] - top)  # [slots, H]
+        den = w.sum(0)
+        out.append((part_out[slots].float() * w[..., None]).sum(0) / den[..., None])
+        lse.append(top + torch.log(den))
+    return torch.stack(out), torch.stack(lse)
