@@ -68,3 +68,9 @@ bench-verl: install
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
+
+# The wheels a bare GPU machine lacks (DeepSpeed, pydantic, hjson, pebble, the project's own), for its Python 3.12,
+# into the ignored .gpu-wheels/ (at most 64 MiB); scripts/gpu_check.sh installs them there (docs/gpu.md).
+.PHONY: gpu-wheels
+gpu-wheels: install
+	scripts/gpu_wheels.sh
