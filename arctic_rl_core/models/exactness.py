@@ -199,7 +199,7 @@ def check_exactness(forward, wrapper, causal_lm, *, zorro: bool, pad_id: int, vo
         raise InvalidRequest("zorro.enable", f"{model_type}: a packed sequence's log-probs change by {mixing:.3g} "
                                              f"with the tokens packed before it (a layer other than attention, e.g. "
                                              f"a recurrent or convolutional one, mixes the pack); {_DISABLE}")
-    check_attention_backward(causal_lm.config, wrapper.zorro_backend, device, dtype)
+    check_attention_backward(delivery.shapes, wrapper.zorro_backend, device, dtype)
 
 
 _BACKWARD_PROBE_LENGTHS = (2048, 32768)
@@ -207,30 +207,29 @@ _BACKWARD_PROBE_LENGTHS = (2048, 32768)
 
 
 @torch.enable_grad()
-def check_attention_backward(config, backend: str, device, dtype) -> None:
-    """Split attention's backward at the model's attention shape (heads, KV heads, head size, dtype, with and
-    without its window and softcap), for every backend `backend` runs at some length: a kernel that cannot run
-    here (too much shared memory or registers for its tiles) is refused at load, not at the first fwd_bwd. Tiles
-    depend on dtype and head size, not on length, so a small forest launches the same kernels."""
+def check_attention_backward(shapes, backend: str, device, dtype) -> None:
+    """Split attention's backward at each attention shape the packed probe's forward called it with (heads, KV
+    heads, head sizes, softcap, window, sinks: `Delivery.shapes`), for every backend `backend` runs at some length:
+    a kernel that cannot run here (too much shared memory or registers for its tiles) is refused at load, not at
+    the first fwd_bwd. Tiles depend on dtype and head size, not on length, so a small forest launches the same
+    kernels."""
     from arctic_rl_kernels.layout import ForestLayout
     from arctic_rl_kernels.split_attention import ScoreMods, select_ops, split_attention
 
-    text = config.get_text_config()
-    heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    # Layers without the window (families with one alternate them) run the kernels' other variant.
-    variants = {(None, None), (getattr(text, "attn_logit_softcapping", None), _configured_window(config))}
     layout = ForestLayout.groups([40], [[24, 24]])
     gen = torch.Generator(device).manual_seed(0)
-    for softcap, window in sorted(variants, key=str):
+    for heads, kv_heads, head_dim, value_dim, softcap, window, sinks in sorted(shapes, key=str):
         mods = ScoreMods(softcap=softcap, window=window)
-        names = {select_ops(backend, device, dtype, mods, head_dim=head_dim, longest=n).name
+        names = {select_ops(backend, device, dtype, mods, head_dim == value_dim, head_dim, n).name
                  for n in _BACKWARD_PROBE_LENGTHS}
+        q = torch.randn(heads, layout.num_tokens, head_dim, generator=gen, device=device).to(dtype).requires_grad_()
+        k = torch.randn(kv_heads, layout.num_tokens, head_dim, generator=gen, device=device).to(dtype).requires_grad_()
+        v = torch.randn(kv_heads, layout.num_tokens, value_dim, generator=gen, device=device).to(dtype).requires_grad_()
+        s_aux = torch.zeros(heads, device=device, dtype=dtype, requires_grad=True) if sinks else None
         for name in sorted(names):
-            q, k, v = (torch.randn(h, layout.num_tokens, head_dim, generator=gen, device=device).to(dtype).requires_grad_()
-                       for h in (heads, kv_heads, kv_heads))
             try:
-                split_attention(q, k, v, layout, head_dim**-0.5, name, softcap=softcap, window=window).sum().backward()
+                split_attention(q, k, v, layout, head_dim**-0.5, name, softcap=softcap, window=window,
+                                sinks=s_aux).sum().backward()
             except Exception as err:  # noqa: BLE001 -- a kernel that cannot run here
                 raise _kernel_failure(err) or InvalidRequest(
                     "zorro.attention_backend", f"the {name} split-attention backward fails on this device "

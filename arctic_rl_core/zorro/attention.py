@@ -41,6 +41,9 @@ class Delivery:
         self.windows: set[int] = set()
         """Sliding windows the calls were given (a family applying its window only through transformers'
         mask gives none: the load-time probe refuses it)."""
+        self.shapes: set[tuple] = set()
+        """(query heads, KV heads, head size, value head size, softcap, window, with sinks) of each distinct call:
+        what the load-time probe runs split attention's backward at."""
 
 
 _delivery: contextvars.ContextVar[Delivery | None] = contextvars.ContextVar("zorro_delivery", default=None)
@@ -108,6 +111,8 @@ def zorro_attention_forward(
         delivery.calls += 1
         if sliding_window is not None:
             delivery.windows.add(int(sliding_window))
+        delivery.shapes.add((query.shape[1], key.shape[1], query.shape[-1], value.shape[-1], softcap, sliding_window,
+                             s_aux is not None))
     B, H, L, D = query.shape
     scale = scaling if scaling is not None else D**-0.5
     if zorro_layout is None and sliding_window is None and softcap is None and s_aux is None:
