@@ -368,8 +368,10 @@ def launch_config(dtype: torch.dtype, head_dim: int, interpreted: bool = INTERPR
     block_n = 64 if elem == 2 else 32  # fp32 halves the tile: the same bytes per stage
     stage_bytes = block_n * 2 * head_dim * elem
     # Three stages while K and V take at most 96 KiB: the default's kernel then holds 112 KiB of shared memory on
-    # sm_90, so two programs still fit an SM (228 KiB on Hopper).
-    return LaunchConfig(block_n, num_warps=4, num_stages=3 if 3 * stage_bytes <= 96 * 1024 else 2, merge_slots=32)
+    # sm_90, so two programs still fit an SM (228 KiB on Hopper). Head sizes past 128 take 8 warps: on 4 the
+    # accumulator and the K/V tile need more than 255 registers per thread and spill (tests/test_kernel_compile.py).
+    return LaunchConfig(block_n, num_warps=8 if head_dim > 128 else 4,
+                        num_stages=3 if 3 * stage_bytes <= 96 * 1024 else 2, merge_slots=32)
 
 
 def merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, seq_slot_start: torch.Tensor,
