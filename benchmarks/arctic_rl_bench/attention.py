@@ -113,7 +113,8 @@ def tune(spec: dict, dtype_name: str, device) -> dict:
     trials = {}
     for kernel, run in (("forward", forward), ("dkdv", backward), ("dq", backward)):
         rows = []
-        for m, n, warps, stages in TILE_CANDIDATES[kernel]:
+        default = tuple(best[kernel][key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
+        for m, n, warps, stages in dict.fromkeys([default, *TILE_CANDIDATES[kernel]]):  # the default timed too
             tile = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
             tiles = {**best, kernel: tile}
             try:
