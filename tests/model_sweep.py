@@ -29,6 +29,12 @@ from arctic_rl_core.types import Sequence
 from arctic_rl_core.zorro.attention import ZORRO_ATTENTION
 
 VOCAB = 96
+BACKEND = "math"
+"""The split-attention primitives the sweep runs ZoRRo on: the tiled matmuls, exact to fp32 rounding on every CPU.
+What is judged here is each family's integration (the layout reaching every attention, its score rules, its head);
+the faster kernels' own rounding is judged by their parity tests (tests/test_split_attention.py). On an Intel Xeon
+(2026-11-26) ATen's CPU flash kernels put CTRL's FFN gradients 1.2e-5 off fp64 where its own fp32 forward is 3.7e-7
+off, over this sweep's bound, while an AMD EPYC stayed under it: with them the table depended on the CPU."""
 _MAX_PARAMETERS = 5_000_000
 LOGPROB_TOLERANCE = 2e-6
 GRAD_TOLERANCE = 1e-5
@@ -118,7 +124,7 @@ def _weighted(lp: torch.Tensor, seqs, order) -> torch.Tensor:
 
 def _ours(model, seqs) -> tuple[torch.Tensor, dict]:
     """The engine's path: one packed forest through ZoRRo's attention and the family's head."""
-    wrapper = ResponseLogits(model, model, output_head(model.config))
+    wrapper = ResponseLogits(model, model, output_head(model.config), BACKEND)
     [mb] = build_micro_batches(seqs, token_budget=10**9, weight_version=0, forest=True)
     logits = wrapper(mb.input_ids, mb.logit_rows, mb.attention_mask, mb.position_ids, mb.layout)
     lp = torch.log_softmax(logits.float(), -1).gather(-1, mb.targets[:, None])[:, 0]
@@ -209,7 +215,7 @@ def check_family(model_type: str, variant: str) -> Row:
         return Row(model_type, variant, "refused", f"cannot be built with ZoRRo's attention ({type(err).__name__}: {err})")
     try:
         check_features(config)
-        wrapper = ResponseLogits(model, model, output_head(config))
+        wrapper = ResponseLogits(model, model, output_head(config), BACKEND)
         check_exactness(wrapper, wrapper, model, zorro=True, pad_id=0, vocab_size=VOCAB, device=torch.device("cpu"),
                         dtype=torch.float32)
     except InvalidRequest as err:
@@ -265,7 +271,8 @@ def render(rows: list[Row]) -> str:
         "Every decoder-only causal-LM family of the installed transformers, at tiny random size, with its",
         "defaults and with each optional feature its config has turned on (`window 3`: a sliding window of 3",
         "tokens on the layers that slide; `attention softcap`, `final softcap`, `logit scale`). Each is",
-        "either **exact** — ZoRRo's packed forest through the engine's path against the model's own eager",
+        "either **exact** — ZoRRo's packed forest through the engine's path (split attention on its tiled `math`",
+        "primitives; the faster kernels have their own parity tests) against the model's own eager",
         "forward of each sequence alone, log-probs within 2e-6 and every parameter's gradient within 1e-5",
         "relative in fp32, or, where that is not met, within twice the model's own fp32 error against fp64",
         "(families noisy in fp32 themselves) — or **refused** at load by the engine's checks",
