@@ -83,7 +83,7 @@ if [ $DRY = 1 ]; then
 fi
 
 mkdir -p "$OUT" || exit 2
-rm -f "$OUT/gpu_check.json" "$OUT/gpu_check.log" "$OUT"/timings_*.json "$OUT"/configs_*.json
+rm -f "$OUT/gpu_check.json" "$OUT/gpu_check.log" "$OUT"/timings_*.json
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 touch "$WORK/start-stamp"
@@ -95,7 +95,7 @@ cp "$WHEELS/BUILD_INFO.json" "$WORK/build.json" 2>/dev/null
 # The timings and tile configurations this run saved, flat in $OUT (report and log make 2 of its 8 files).
 copy_timings() {
   local f n=0
-  for f in "$ROOT"/kernels/arctic_rl_kernels/{timings,configs}/*.json "$SITE"/arctic_rl_kernels/{timings,configs}/*.json; do
+  for f in "$ROOT"/kernels/arctic_rl_kernels/timings/*.json "$SITE"/arctic_rl_kernels/timings/*.json; do
     [ -f "$f" ] && [ "$f" -nt "$WORK/start-stamp" ] || continue
     n=$((n + 1))
     [ $n -le 6 ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_$(basename "$f")"

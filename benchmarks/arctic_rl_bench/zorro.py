@@ -72,29 +72,33 @@ def build_episodes(prompt_len: int, response_len: int, turns: int, group: int, g
     return seqs
 
 
+def _backend(mode: str, args: dict, checkpointing: bool, micro_batch_tokens: int | None):
+    """One mode's backend: ZoRRo on, or off as the chosen baseline (packed unshared: no common prefix is as long
+    as its sharing threshold); no budget means the whole batch in one micro-batch."""
+    from arctic_rl_core.backend import InProcessBackend
+
+    zorro = {"enable": mode == "zorro" or args["baseline"] == "packed", "attention_backend": args["attention_backend"],
+             "min_shared_tokens": 1 if mode == "zorro" else 2**62}
+    return InProcessBackend({
+        "model_path": args["model_dir"],
+        "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": micro_batch_tokens or 10**9,
+                   "grad_clip": None, "gradient_checkpointing": checkpointing},
+        "zorro": zorro,
+        # Nothing here samples: the lightest sampler (a vLLM engine would take start-up time and, on a GPU, half its
+        # memory).
+        "sampler": {"name": "transformers"},
+    })
+
+
 def worker(mode: str, args: dict, out_dir: str) -> dict:
     """Runs in a child process: one mode, timings, peak memory, outputs saved for comparison."""
     import torch
     from safetensors.torch import save_file
 
-    from arctic_rl_core.backend import InProcessBackend
     from arctic_rl_bench.measure import current_rss_mb, median_seconds, peak_rss_mb
 
     torch.set_num_threads(args["threads"] or torch.get_num_threads())
-    # The packed baseline shares nothing: no common prefix is as long as its threshold.
-    zorro = {"enable": mode == "zorro" or args["baseline"] == "packed", "attention_backend": args["attention_backend"],
-             "min_shared_tokens": 1 if mode == "zorro" else 2**62}
-    backend = InProcessBackend(
-        {
-            "model_path": args["model_dir"],
-            "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": args["micro_batch_tokens"] or 10**9,
-                       "grad_clip": None, "gradient_checkpointing": args["gradient_checkpointing"] == "on"},
-            "zorro": zorro,
-            # Nothing here samples: the lightest sampler (a vLLM engine would take start-up time and, on a GPU,
-            # half its memory).
-            "sampler": {"name": "transformers"},
-        }
-    )
+    backend = _backend(mode, args, args["gradient_checkpointing"] == "on", args["micro_batch_tokens"])
     vocab = backend.engine.vocab_size
     seqs = (build_batch(args["prompt_len"], args["response_len"], args["group"], args["groups"], vocab) if args["turns"] == 1
             else build_episodes(args["prompt_len"], args["response_len"], args["turns"], args["group"], args["groups"], vocab))
@@ -152,13 +156,8 @@ def largest_without_checkpointing(mode: str, args: dict, out_dir: str) -> dict:
     from transformers import AutoConfig
 
     from arctic_rl_bench import zorro_memory
-    from arctic_rl_core.backend import InProcessBackend
 
-    zorro = {"enable": mode == "zorro" or args["baseline"] == "packed", "attention_backend": args["attention_backend"],
-             "min_shared_tokens": 1 if mode == "zorro" else 2**62}
-    backend = InProcessBackend({"model_path": args["model_dir"], "zorro": zorro, "sampler": {"name": "transformers"},
-                                "engine": {"zero_stage": 0, "dtype": args["dtype"], "micro_batch_tokens": 10**9,
-                                           "grad_clip": None, "gradient_checkpointing": False}})
+    backend = _backend(mode, args, checkpointing=False, micro_batch_tokens=None)
     config = AutoConfig.from_pretrained(args["model_dir"])
     dtype_bytes = 4 if args["dtype"] == "float32" else 2
     trials = []
