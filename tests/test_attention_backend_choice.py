@@ -142,8 +142,8 @@ def test_tiles_are_tuned_kernel_by_kernel_and_recorded_per_dtype_and_head_size(t
         pytest.fail("the fused kernel runs here only under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
     from arctic_rl_kernels import forest_flash_attention as ffa
 
-    candidates = {"forward": [(16, 16, 4, 1), (32, 16, 4, 1)], "dkdv": [(16, 32, 4, 1), (16, 16, 4, 1)],
-                  "dq": [(32, 16, 4, 1), (16, 0, 4, 1)]}
+    candidates = {"forward": [(16, 16, 4, 1), (32, 16, 4, 1)], "dq": [(32, 16, 4, 1), (16, 0, 4, 1)],
+                  "dkdv": [(16, 32, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1, True)]}
     monkeypatch.setattr(bench, "TILE_CANDIDATES", candidates)
     spec = {"prompt": 40, "response": 8, "group": 2, "groups": 1, "heads": 4, "kv_heads": 2, "head_dim": 16, "repeats": 1}
     real_forward = ffa.forest_attention_forward
@@ -155,15 +155,23 @@ def test_tiles_are_tuned_kernel_by_kernel_and_recorded_per_dtype_and_head_size(t
     monkeypatch.setattr(ffa, "forest_attention_forward", wrong_with_wide_query_tiles)
     result = bench.tune(spec, "float32", HERE)
     trials = result["trials"]
-    # Each kernel's default tiles (16x16 here) are timed first, then the candidates not the same.
-    tried = {kernel: [(r["BLOCK_M"], r["BLOCK_N"]) for r in rows] for kernel, rows in trials.items()}
-    assert tried == {"forward": [(16, 16), (32, 16)], "dkdv": [(16, 16), (16, 32)], "dq": [(16, 16), (32, 16), (16, 0)]}
-    assert "differs from the default tiles" in trials["forward"][1]["error"] and "error" in trials["dq"][2]
-    assert result["tiles"]["forward"]["BLOCK_M"] == 16
+    # Each kernel's default tiles are timed first (16x16 under the interpreter), then the candidates not the same.
+    default = {kernel: (t["BLOCK_M"], t["BLOCK_N"], t["num_warps"], t["num_stages"])
+               for kernel, t in ffa.default_tiles(HERE, torch.float32, 16).items()}
+    expected = {kernel: [tuple(c) for c in dict.fromkeys([default[kernel] + ((False,) if kernel == "dkdv" else ()),
+                                                          *[(*c, False)[:5] if kernel == "dkdv" else c for c in cs]])]
+                for kernel, cs in candidates.items()}
+    tried = {kernel: [tuple(r[key] for key in bench.TILE_KEYS if key in r) for r in rows] for kernel, rows in trials.items()}
+    assert tried == expected
+    assert [r["ATOMIC_DQ"] for r in trials["dkdv"]][-1] is True and all("ms" in r for r in trials["dkdv"])
+    wide = tried["forward"].index((32, 16, 4, 1))
+    assert "differs from the default tiles" in trials["forward"][wide]["error"] and "error" in trials["dq"][-1]
+    assert result["tiles"]["forward"]["BLOCK_M"] != 32
     for kernel in ("dkdv", "dq"):  # the fastest of those timed
         timed = [r for r in trials[kernel] if "ms" in r]
         fastest = min(timed, key=lambda r: r["ms"])
-        assert (result["tiles"][kernel]["BLOCK_M"], result["tiles"][kernel]["BLOCK_N"]) == (fastest["BLOCK_M"], fastest["BLOCK_N"])
+        keys = ("BLOCK_M", "BLOCK_N", "ATOMIC_DQ") if kernel == "dkdv" else ("BLOCK_M", "BLOCK_N")
+        assert [result["tiles"][kernel][key] for key in keys] == [fastest[key] for key in keys]
     backend_timings.save_tiles(HERE, torch.float32, 16, {**result["tiles"], "date": "2026-11-26"})
     assert backend_timings.tuned_tiles(HERE, torch.float32, 16) == result["tiles"]
     assert backend_timings.tuned_tiles(HERE, torch.float32, 64) is None

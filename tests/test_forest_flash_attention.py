@@ -68,6 +68,68 @@ def test_fused_forest_kernel_matches_reference_fp32(case):
         assert (gf - gr).norm() <= 1e-5 * gr.norm() + 1e-5, (case, name)
 
 
+def _with_tiles(monkeypatch, **changes):
+    """Run split attention's fused kernel with some kernels' tiles changed from the configured ones."""
+    from arctic_rl_kernels import forest_flash_attention as ffa
+
+    configured = ffa.tiles_for
+    monkeypatch.setattr(ffa, "tiles_for", lambda *a: {kernel: {**tile, **changes.get(kernel, {})}
+                                                      for kernel, tile in configured(*a).items()})
+
+
+@pytest.mark.parametrize("case", ["mha_long_segments", "gqa", "window", "all"])
+@pytest.mark.parametrize("atomic_dq", [False, True], ids=["two_pass", "atomic_dq"])
+@pytest.mark.parametrize("dkdv_tile", [(16, 32), (32, 16)], ids=["16q_32k", "32q_16k"])
+def test_backward_schedules_and_uneven_tiles_match_reference(monkeypatch, case, atomic_dq, dkdv_tile):
+    """dK/dV with query blocks smaller and larger than its key tile (the diagonal, whole and partial runs of
+    blocks split differently), and dQ by the second kernel or by atomics in the same pass: all the definition's
+    gradients. The forward takes 32 queries by 16 keys (whole key tiles and a masked diagonal within a tile)."""
+    seed, max_len, H, Hkv, D, Dv, rules = CASES[case]
+    block_m, block_n = dkdv_tile
+    _with_tiles(monkeypatch, forward={"BLOCK_M": 32, "BLOCK_N": 16},
+                dkdv={"BLOCK_M": block_m, "BLOCK_N": block_n, "ATOMIC_DQ": atomic_dq})
+    layout, q, k, v = _inputs(seed, max(max_len, 40), H, Hkv, D, Dv, torch.float32)
+    kwargs, inputs = dict(rules), [q, k, v]
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = torch.randn(H, device=DEVICE, requires_grad=True)
+        inputs.append(kwargs["sinks"])
+    fast = split_attention(q, k, v, layout, D**-0.5, backend="triton", **kwargs)
+    ref = _reference(q, k, v, layout, D**-0.5, **kwargs)
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
+    dout = torch.randn_like(ref)
+    for name, gf, gr in zip("q k v sinks".split(), torch.autograd.grad(fast, inputs, dout), torch.autograd.grad(ref, inputs, dout)):
+        assert (gf - gr).norm() <= 1e-5 * gr.norm() + 1e-5, (case, name)
+
+
+def test_deterministic_algorithms_take_the_two_pass_backward(monkeypatch):
+    """Atomics add dQ in whatever order blocks run; under torch.use_deterministic_algorithms the backward
+    takes the second dQ kernel even where the tiles ask for atomics."""
+    from arctic_rl_kernels import forest_flash_attention as ffa
+
+    launched = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else "kernel")
+            return self.kernel[grid]
+
+    monkeypatch.setattr(ffa, "_dq_kernel", Recorded(ffa._dq_kernel))
+    _with_tiles(monkeypatch, dkdv={"ATOMIC_DQ": True})
+    layout, q, k, v = _inputs(0, 12, 2, 2, 16, 16, torch.float32)
+    split_attention(q, k, v, layout, 0.25, backend="triton").sum().backward()
+    assert launched == []
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # (other ops may have no deterministic CUDA kernel)
+    try:
+        split_attention(q, k, v, layout, 0.25, backend="triton").sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert len(launched) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_forest_kernel_half_precision_within_1e_2(dtype):
     """bf16 and fp16 inputs, fp32 scores and accumulators: within 1e-2 of the fp32 reference, gradients included.
@@ -156,3 +218,27 @@ def test_a_kernel_whose_backward_fails_on_the_device_is_named_at_load(monkeypatc
     config = AutoConfig.from_pretrained(tiny_model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert shapes == [(config.num_attention_heads, config.num_key_value_heads, head_dim, torch.float32)]
+
+
+def test_a_kernel_whose_gradients_are_wrong_on_the_device_is_refused_at_load(monkeypatch, tiny_model):
+    """The load check compares split attention's output and gradients with the math primitives' at the model's
+    attention shape: tiles a compiler gets wrong on this device (on an H100, dK/dV's 32x128 on 8 warps gave
+    gradients 30% off) are refused at load, by name, never trained with."""
+    from arctic_rl_core.backend import InProcessBackend
+    from arctic_rl_core.errors import InvalidRequest
+    from arctic_rl_kernels import forest_flash_attention
+
+    real = forest_flash_attention.forest_attention_backward
+
+    def dv_off_by_a_third(*args, **kwargs):
+        dq, dk, dv = real(*args, **kwargs)
+        return dq, dk, dv * 1.3
+
+    monkeypatch.setattr(forest_flash_attention, "forest_attention_backward", dv_off_by_a_third)
+    with pytest.raises(InvalidRequest, match=r"zorro.attention_backend: the triton split attention differs from the "
+                                             r"math primitives by 0\.[0-9]+ \(relative\).*choose zorro.attention_backend=math"):
+        InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
+                          "sampler": {"name": "transformers"}})
+    monkeypatch.setattr(forest_flash_attention, "forest_attention_backward", real)
+    InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
+                      "sampler": {"name": "transformers"}}).close()

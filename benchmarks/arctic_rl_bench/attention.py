@@ -24,16 +24,19 @@ be recorded: fp32 kernels summing in another order, 16-bit ones rounding P befor
 TILE_CANDIDATES = {
     # (BLOCK_M queries, BLOCK_N keys, warps, stages). The forward and dQ walk keys for a query tile, so large
     # query tiles amortise each K/V load; dK/dV walk queries for a key tile, so there the key tile is large
-    # (FlashAttention-2's backward and Triton's fused-attention tutorial take the same shapes).
+    # (FlashAttention-2's backward and Triton's fused-attention tutorial take the same shapes). dK/dV's with a
+    # fifth entry, True, add dQ by atomics in the same pass (ATOMIC_DQ): the backward then runs no dQ kernel.
     "forward": [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (128, 64, 8, 4),
                 (64, 128, 4, 3), (128, 128, 8, 2)],
-    "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 5), (64, 128, 8, 3), (32, 128, 8, 3),
-             (16, 128, 4, 3), (64, 128, 4, 2), (64, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4)],
     "dq": [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 4, 5), (64, 32, 4, 3), (128, 64, 4, 3),
            (128, 128, 8, 2), (128, 64, 8, 4)],
+    "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 8, 3),
+             (64, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3, True), (32, 64, 4, 3, True), (64, 64, 8, 3, True),
+             (32, 128, 8, 3, True), (64, 128, 8, 2, True), (32, 64, 8, 3, True), (16, 128, 4, 3, True)],
 }
-"""What `--tune` tries for each of the fused kernel's three kernels (16-bit inputs; fp32 is never auto's choice
-for it on CUDA)."""
+"""What `--tune` tries for each of the fused kernel's kernels, in this order (16-bit inputs; fp32 is never auto's
+choice for it on CUDA)."""
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "ATOMIC_DQ")
 
 
 def backends_here(device) -> list[str]:
@@ -85,7 +88,8 @@ def measure(spec: dict, dtype_name: str, backends: list[str], device) -> dict:
 
 def tune(spec: dict, dtype_name: str, device) -> dict:
     """The fused kernel's fastest tiles, kernel by kernel at this shape: the forward timed alone; the backward
-    timed whole with one of its kernels' tiles varied (dK/dV first, then dQ with dK/dV's best). A configuration
+    timed whole with one of its kernels' tiles varied (dQ first, then dK/dV with dQ's best, where the one-pass
+    candidates, dQ by atomics, run against the two-pass ones). A configuration
     that fails to compile or launch (too much shared memory, too many registers) or whose results differ from
     the default tiles' by more than the dtype's tolerance is dropped, with the reason."""
     import torch
@@ -104,18 +108,19 @@ def tune(spec: dict, dtype_name: str, device) -> dict:
 
     out, lse = forward(best)
     reference = {"forward": (out.float(),)}
-    reference["dkdv"] = reference["dq"] = tuple(g.float() for g in forest_attention_backward(
+    reference["dq"] = reference["dkdv"] = tuple(g.float() for g in forest_attention_backward(
         dout, q, k, v, out, lse, layout, scale, NO_MODS, None, best))
 
     def backward(tiles):
         return forest_attention_backward(dout, q, k, v, out, lse, layout, scale, NO_MODS, None, tiles)
 
     trials = {}
-    for kernel, run in (("forward", forward), ("dkdv", backward), ("dq", backward)):
+    for kernel, run in (("forward", forward), ("dq", backward), ("dkdv", backward)):
         rows = []
-        default = tuple(best[kernel][key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"))
-        for m, n, warps, stages in dict.fromkeys([default, *TILE_CANDIDATES[kernel]]):  # the default timed too
-            tile = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
+        default = tuple(best[kernel].get(key, False) for key in TILE_KEYS)
+        candidates = [(*c, False)[:5] if kernel == "dkdv" else c for c in TILE_CANDIDATES[kernel]]
+        for candidate in dict.fromkeys([default[:len(candidates[0])], *candidates]):  # the default timed too
+            tile = dict(zip(TILE_KEYS, candidate))
             tiles = {**best, kernel: tile}
             try:
                 got = run(tiles)
@@ -132,7 +137,7 @@ def tune(spec: dict, dtype_name: str, device) -> dict:
         timed = [r for r in rows if "ms" in r]
         if timed:
             fastest = min(timed, key=lambda r: r["ms"])
-            best = {**best, kernel: {key: fastest[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}}
+            best = {**best, kernel: {key: fastest[key] for key in TILE_KEYS if key in fastest}}
         trials[kernel] = rows
     return {"tiles": best, "trials": trials}
 

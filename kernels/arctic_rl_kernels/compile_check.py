@@ -169,7 +169,9 @@ def _signature(kernel: str, fn, config: Config):
     tiles = {k: v for k, v in config.tiles.items() if k not in ("num_warps", "num_stages")}
     if kernel in _FOREST:
         pointers = {**dict.fromkeys(("Q", "K", "V", "O", "DO", "DQ", "DK", "DV_OUT"), f"*{elem}"),
-                    "LSE": "*fp32", "DELTA": "*fp32", "POS": "*i64"}
+                    "LSE": "*fp32", "DELTA": "*fp32", "DQ_ACC": "*fp32", "POS": "*i64"}
+        if kernel == "dkdv":
+            tiles = {"ATOMIC_DQ": False, **tiles}
         scalars = {"scale": "fp32", "softcap": "fp32", "N": "i32", "window": "i32"}
         constexprs = dict(GROUPS=config.groups, D=D, DV=DV, BLOCK_D=block_d, BLOCK_DV=block_dv,
                           SOFTCAP=config.softcap, WINDOW=config.window,

@@ -6,8 +6,11 @@ Here one kernel does it: a query tile (never crossing a segment) walks the key r
 (`ForestLayout.query_tiles`: its ancestors whole, then its own segment up to the tile), so a
 prefix's K/V is read for its descendants' queries and never copied per suffix, scores never leave
 registers, and there is nothing to merge. Backward is FlashAttention-2's: a key tile's dK, dV come
-from the one query range that sees it (`ForestLayout.key_tiles`), so no atomics; dQ walks the
-forward's ranges again.
+from the one query range that sees it (`ForestLayout.key_tiles`), so no atomics for them; dQ either
+walks the forward's ranges again (`_dq_kernel`: deterministic, but scores and probabilities computed
+twice) or is added by fp32 atomics in the same pass (ATOMIC_DQ: five matrix products per tile pair, not
+seven); which one is a tile setting, timed per device (`arctic-rl bench attention --tune`). Tiles every
+query sees whole (a prefix's keys, keys left of the diagonal) skip the mask; scores are in base 2 inside.
 
 GQA is read through the head index (a query head reads K/V head `h // groups`): repeated K/V are never
 materialised, and a KV head's program sums dK, dV over its query heads. Windows and softcaps are score
@@ -45,23 +48,33 @@ def _tanh(x):
     return 2 * tl.sigmoid(2 * x) - 1
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+"""log2(e): inside the kernels scores are in base 2 (exp2 is the GPU's native exponential); the LSE leaves and
+enters them in natural units."""
+
+
 @triton.jit
-def _scores(q, k, offs_m, offs_n, n_end, pos_ptr, scale, softcap, window,
+def _scores(q, k, offs_m, offs_n, n_end, pos_ptr, scale, softcap, window, MASKED: tl.constexpr,
             SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """Scores of a query tile against a key tile with the forest's rule inside a key range (`k <= q`,
-    keys before `n_end`), the window and the softcap; and d(capped)/d(raw) for backward."""
-    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * scale
-    slope = s
+    """Scores of a query tile against a key tile in base 2 (natural scores times log2 e), and d(capped)/d(raw)
+    for backward. MASKED applies the forest's rule inside a key range (`k <= q`, keys before `n_end`) and the
+    window; a tile every query sees whole skips it (`_whole_keys_end`, `_whole_queries_end`)."""
+    raw = _dot(q, tl.trans(k), PRECISION, UPCAST)
+    slope = raw
     if SOFTCAP:
-        t = _tanh(s / softcap)
-        s = softcap * t
+        t = _tanh(raw * scale / softcap)
+        s = (softcap * LOG2E) * t
         slope = 1 - t * t
-    visible = (offs_n[None, :] < n_end) & (offs_n[None, :] <= offs_m[:, None])
-    if WINDOW:
-        q_pos = tl.load(pos_ptr + offs_m)
-        k_pos = tl.load(pos_ptr + offs_n, mask=offs_n < n_end, other=0)
-        visible = visible & ((q_pos[:, None] - k_pos[None, :]) < window)
-    return tl.where(visible, s, float("-inf")), slope
+    else:
+        s = raw * (scale * LOG2E)
+    if MASKED:
+        visible = (offs_n[None, :] < n_end) & (offs_n[None, :] <= offs_m[:, None])
+        if WINDOW:
+            q_pos = tl.load(pos_ptr + offs_m)
+            k_pos = tl.load(pos_ptr + offs_n, mask=offs_n < n_end, other=0)
+            visible = visible & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(visible, s, float("-inf"))
+    return s, slope
 
 
 @triton.jit
@@ -101,6 +114,36 @@ def _first_visible(POS, k0, k1, q_first, window, WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _whole_keys_end(start, k1, q_first, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
+    """Where a query tile's whole key tiles of range [start, k1) end: tiles of keys all before k1 and at or
+    before the tile's first query, which every query of the tile sees (a prefix's keys, and its own segment's
+    keys left of the diagonal); those skip the mask. With a window every tile is masked."""
+    if WINDOW:
+        return start
+    return start + tl.maximum(tl.minimum(k1, q_first + 1) - start, 0) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _forward_step(q, m_i, l_i, acc, K, V, kv, stride_kh, stride_vh, n0, k1, offs_m, POS, scale, softcap, window,
+                  MASKED: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of the online softmax, in base 2."""
+    offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
+    s, _ = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, MASKED, SOFTCAP, WINDOW, PRECISION, UPCAST)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    else:
+        m_use = m_new
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_start_ptr, k_end_ptr,
                     stride_qh, stride_kh, stride_vh, stride_oh, N, scale, softcap, window,
                     GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -116,19 +159,20 @@ def _forward_kernel(Q, K, V, O, LSE, POS, q_start_ptr, q_end_ptr, range_ptr, k_s
     q_first = tl.load(q_start_ptr + tile)
     for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
         k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
-        for n0 in range(_first_visible(POS, k0, k1, q_first, window, WINDOW), k1, BLOCK_N):
-            offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
-            s, _ = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-            m_i = m_new
+        start = _first_visible(POS, k0, k1, q_first, window, WINDOW)
+        whole_end = _whole_keys_end(start, k1, q_first, BLOCK_N, WINDOW)
+        if not WINDOW:  # (compiled only where there are whole tiles: fewer registers for windowed layers)
+            for n0 in range(start, whole_end, BLOCK_N):
+                m_i, l_i, acc = _forward_step(q, m_i, l_i, acc, K, V, kv, stride_kh, stride_vh, n0, k1, offs_m, POS,
+                                              scale, softcap, window, False, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP,
+                                              WINDOW, PRECISION, UPCAST)
+        for n0 in range(whole_end, k1, BLOCK_N):
+            m_i, l_i, acc = _forward_step(q, m_i, l_i, acc, K, V, kv, stride_kh, stride_vh, n0, k1, offs_m, POS, scale,
+                                          softcap, window, True, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, WINDOW,
+                                          PRECISION, UPCAST)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
     tl.store(O + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], out.to(O.dtype.element_ty),
              mask=rows[:, None] & (offs_dv[None, :] < DV))
     tl.store(LSE + h * N + offs_m, lse, mask=rows)
@@ -145,31 +189,51 @@ def _within_window(POS, offs_m, rows, n1, window, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_block(Q, DO, LSE, DELTA, POS, k, v, dk, dv, h, offs_m, rows, offs_n, n1, stride_qh, stride_oh, N, scale,
-                softcap, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+def _dkdv_block(Q, DO, LSE, DELTA, DQ_ACC, POS, k, v, dk, dv, h, m0, q_end, n0, offs_n, n1, stride_qh, stride_oh, N,
+                scale, softcap, window, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, D: tl.constexpr,
+                DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """One query block's share of a key tile's dK and dV."""
+    """One query block's share of a key tile's dK and dV (and with ATOMIC_DQ, the key tile's share of the block's
+    dQ, added in place). Unmasked, every query of the block is real and sees every key of the tile; a key tile
+    ending early (at its segment's end) then still holds zero keys and values past n1, which add nothing to dQ,
+    and its rows of dK, dV past n1 are never stored."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    rows = offs_m < q_end
+    if MASKED:
+        offs_m = tl.where(rows, offs_m, n0)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
-    do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
-    lse = tl.load(LSE + h * N + offs_m)
-    delta = tl.load(DELTA + h * N + offs_m)
-    s, slope = _scores(q, k, offs_m, offs_n, n1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
-    p = tl.where(rows[:, None], tl.exp(s - lse[:, None]), 0.0)
-    dv += _dot(tl.trans(p).to(do.dtype), do, PRECISION, UPCAST)
-    ds = p * (_dot(do, tl.trans(v), PRECISION, UPCAST) - delta[:, None])
-    if SOFTCAP:
-        ds = ds * slope
-    dk += _dot(tl.trans(ds).to(q.dtype), q, PRECISION, UPCAST)
+    if _within_window(POS, offs_m, rows, n1, window, WINDOW):
+        q = tl.load(Q + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], mask=offs_d[None, :] < D, other=0.0)
+        do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
+        lse = tl.load(LSE + h * N + offs_m) * LOG2E
+        delta = tl.load(DELTA + h * N + offs_m)
+        s, slope = _scores(q, k, offs_m, offs_n, n1, POS, scale, softcap, window, MASKED, SOFTCAP, WINDOW,
+                           PRECISION, UPCAST)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            p = tl.where(rows[:, None], p, 0.0)
+        dv += _dot(tl.trans(p).to(do.dtype), do, PRECISION, UPCAST)
+        ds = p * (_dot(do, tl.trans(v), PRECISION, UPCAST) - delta[:, None])
+        if SOFTCAP:
+            ds = ds * slope
+        dk += _dot(tl.trans(ds).to(q.dtype), q, PRECISION, UPCAST)
+        if ATOMIC_DQ:
+            dq = _dot(ds.to(k.dtype), k, PRECISION, UPCAST) * scale
+            tl.atomic_add(DQ_ACC + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], dq,
+                          mask=rows[:, None] & (offs_d[None, :] < D), sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, POS, k_start_ptr, k_end_ptr, q_end_ptr,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DQ_ACC, POS, k_start_ptr, k_end_ptr, q_end_ptr,
                  stride_qh, stride_kh, stride_vh, stride_oh, N, scale, softcap, window,
                  GROUPS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                  SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """A key tile's dK, dV from the query range that sees it, in three runs of query blocks: those overlapping
+    the tile's own keys (causal, masked), the whole ones after (unmasked), the last partial one (masked). With
+    ATOMIC_DQ the same pass adds each block's dQ (FlashAttention-2's one-pass backward, dQ by fp32 atomics):
+    scores and probabilities are computed once, not again in `_dq_kernel`."""
     tile, kv = tl.program_id(0), tl.program_id(1).to(tl.int64)
     n0, n1, q_end = tl.load(k_start_ptr + tile), tl.load(k_end_ptr + tile), tl.load(q_end_ptr + tile)
     offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, n1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
@@ -177,19 +241,44 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV_OUT, POS, k_start_ptr, k_end_pt
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if WINDOW:  # every block masked (and skipped where the window hides the tile from it)
+        whole_end = n0
+    else:
+        diagonal_end = tl.minimum(n0 + tl.cdiv(n1 - n0, BLOCK_M) * BLOCK_M, q_end)
+        whole_end = diagonal_end + (q_end - diagonal_end) // BLOCK_M * BLOCK_M
     for g in range(GROUPS):
         h = kv * GROUPS + g
-        for m0 in range(n0, q_end, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            rows = offs_m < q_end
-            offs_m = tl.where(rows, offs_m, n0)
-            if _within_window(POS, offs_m, rows, n1, window, WINDOW):
-                dk, dv = _dkdv_block(Q, DO, LSE, DELTA, POS, k, v, dk, dv, h, offs_m, rows, offs_n, n1, stride_qh, stride_oh, N,
-                                     scale, softcap, window, D, DV, BLOCK_D, BLOCK_DV, SOFTCAP, WINDOW, PRECISION, UPCAST)
+        if not WINDOW:  # (compiled only where there are whole blocks: fewer registers for windowed layers)
+            for m0 in range(n0, diagonal_end, BLOCK_M):
+                dk, dv = _dkdv_block(Q, DO, LSE, DELTA, DQ_ACC, POS, k, v, dk, dv, h, m0, q_end, n0, offs_n, n1,
+                                     stride_qh, stride_oh, N, scale, softcap, window, True, ATOMIC_DQ, D, DV, BLOCK_D,
+                                     BLOCK_DV, BLOCK_M, SOFTCAP, WINDOW, PRECISION, UPCAST)
+            for m0 in range(diagonal_end, whole_end, BLOCK_M):
+                dk, dv = _dkdv_block(Q, DO, LSE, DELTA, DQ_ACC, POS, k, v, dk, dv, h, m0, q_end, n0, offs_n, n1,
+                                     stride_qh, stride_oh, N, scale, softcap, window, False, ATOMIC_DQ, D, DV, BLOCK_D,
+                                     BLOCK_DV, BLOCK_M, SOFTCAP, WINDOW, PRECISION, UPCAST)
+        for m0 in range(whole_end, q_end, BLOCK_M):
+            dk, dv = _dkdv_block(Q, DO, LSE, DELTA, DQ_ACC, POS, k, v, dk, dv, h, m0, q_end, n0, offs_n, n1, stride_qh,
+                                 stride_oh, N, scale, softcap, window, True, ATOMIC_DQ, D, DV, BLOCK_D, BLOCK_DV,
+                                 BLOCK_M, SOFTCAP, WINDOW, PRECISION, UPCAST)
     tl.store(DK + kv * stride_kh + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=keys[:, None] & (offs_d[None, :] < D))
     tl.store(DV_OUT + kv * stride_vh + offs_n[:, None] * DV + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
              mask=keys[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_step(q, do, lse, delta, dq, K, V, kv, stride_kh, stride_vh, n0, k1, offs_m, POS, scale, softcap, window,
+             MASKED: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+             UPCAST: tl.constexpr):
+    offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
+    s, slope = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, MASKED, SOFTCAP, WINDOW, PRECISION, UPCAST)
+    p = tl.exp2(s - lse[:, None])
+    ds = p * (_dot(do, tl.trans(v), PRECISION, UPCAST) - delta[:, None])
+    if SOFTCAP:
+        ds = ds * slope
+    return dq + _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
 
 
 @triton.jit
@@ -203,26 +292,29 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, POS, q_start_ptr, q_end_ptr, range_p
     offs_m, rows, q = _query_tile(Q, stride_qh, h, tile, q_start_ptr, q_end_ptr, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     do = tl.load(DO + h * stride_oh + offs_m[:, None] * DV + offs_dv[None, :], mask=offs_dv[None, :] < DV, other=0.0)
-    lse = tl.load(LSE + h * N + offs_m)
+    lse = tl.load(LSE + h * N + offs_m) * LOG2E
     delta = tl.load(DELTA + h * N + offs_m)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     q_first = tl.load(q_start_ptr + tile)
     for r in range(tl.load(range_ptr + tile), tl.load(range_ptr + tile + 1)):
         k0, k1 = tl.load(k_start_ptr + r), tl.load(k_end_ptr + r)
-        for n0 in range(_first_visible(POS, k0, k1, q_first, window, WINDOW), k1, BLOCK_N):
-            offs_n, k, v = _key_tile(K, V, kv, stride_kh, stride_vh, n0, k1, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
-            s, slope = _scores(q, k, offs_m, offs_n, k1, POS, scale, softcap, window, SOFTCAP, WINDOW, PRECISION, UPCAST)
-            p = tl.exp(s - lse[:, None])
-            ds = p * (_dot(do, tl.trans(v), PRECISION, UPCAST) - delta[:, None])
-            if SOFTCAP:
-                ds = ds * slope
-            dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+        start = _first_visible(POS, k0, k1, q_first, window, WINDOW)
+        whole_end = _whole_keys_end(start, k1, q_first, BLOCK_N, WINDOW)
+        if not WINDOW:
+            for n0 in range(start, whole_end, BLOCK_N):
+                dq = _dq_step(q, do, lse, delta, dq, K, V, kv, stride_kh, stride_vh, n0, k1, offs_m, POS, scale,
+                              softcap, window, False, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, WINDOW, PRECISION,
+                              UPCAST)
+        for n0 in range(whole_end, k1, BLOCK_N):
+            dq = _dq_step(q, do, lse, delta, dq, K, V, kv, stride_kh, stride_vh, n0, k1, offs_m, POS, scale, softcap,
+                          window, True, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, SOFTCAP, WINDOW, PRECISION, UPCAST)
     tl.store(DQ + h * stride_qh + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=rows[:, None] & (offs_d[None, :] < D))
 
 
 KERNELS = ("forward", "dkdv", "dq")
-"""The fused kernel's three kernels; each takes its own tiles (BLOCK_M queries x BLOCK_N keys, warps, stages)."""
+"""The fused kernel's three kernels; each takes its own tiles (BLOCK_M queries x BLOCK_N keys, warps, stages).
+dK/dV's may also say ATOMIC_DQ: True, the one-pass backward, where `dq`'s tiles go unused."""
 
 
 def default_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, dict]:
@@ -231,15 +323,16 @@ def default_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> di
     fp32 (twice the shared memory per stage), three for 16-bit. Each is checked for Hopper without a GPU
     (tests/test_kernel_compile.py: at most 227 KiB of shared memory, no register spills in 16-bit): dK/dV holds
     two fp32 accumulators and the K, V tile in registers, so it takes 32 queries at a time on 8 warps (64 on 4
-    spills); head sizes past 128 take smaller tiles on 8 warps in every kernel and dtype (64x64 spills in 16-bit
-    and needs 272 KiB of shared memory in fp32's backward)."""
+    spills); head sizes past 128 take smaller tiles in every kernel and dtype (64x64 spills in 16-bit and needs
+    272 KiB of shared memory in fp32's backward; dQ's 32x32 on 4 warps spills neither with softcap and window nor
+    without). dQ by atomics (ATOMIC_DQ) stays off until `--tune` times it faster on the device."""
     def tile(m, n, warps, stages):
         return {"BLOCK_M": m, "BLOCK_N": n, "num_warps": warps, "num_stages": stages}
 
     if device.type != "cuda":
         return {kernel: tile(16, 16, 4, 1) for kernel in KERNELS}
     if head_dim > 128:
-        return {"forward": tile(64, 32, 8, 2), "dkdv": tile(16, 32, 8, 2), "dq": tile(32, 64, 8, 2)}
+        return {"forward": tile(64, 32, 8, 2), "dkdv": tile(16, 32, 8, 2), "dq": tile(32, 32, 4, 2)}
     if dtype == torch.float32:
         return {kernel: tile(64, 64, 4, 2) for kernel in KERNELS}
     return {"forward": tile(64, 64, 4, 3), "dkdv": tile(32, 64, 8, 3), "dq": tile(64, 64, 4, 3)}
@@ -292,14 +385,21 @@ def forest_attention_backward(dout, q, k, v, out, lse, layout: ForestLayout, sca
     dout = dout.contiguous()
     delta = (dout.float() * out.float()).sum(-1)  # FlashAttention-2's rowsum(dO * O)
     lse = lse.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dkdv, dq_tiles = tiles["dkdv"], tiles["dq"]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dkdv = {"ATOMIC_DQ": False, **tiles["dkdv"]}
+    if torch.are_deterministic_algorithms_enabled():  # atomics sum dQ in whatever order the blocks run
+        dkdv["ATOMIC_DQ"] = False
+    # With ATOMIC_DQ the dK/dV pass adds dQ into an fp32 buffer; else `_dq_kernel` walks the queries' key ranges.
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if dkdv["ATOMIC_DQ"] else delta
     key_tiles = layout.key_tiles(dkdv["BLOCK_N"], q.device)
-    query_tiles = layout.query_tiles(dq_tiles["BLOCK_M"], q.device)
     with on_device(q.device):
-        _dkdv_kernel[(len(key_tiles[0]), k.shape[0])](q, k, v, dout, lse, delta, dk, dv, pos, *key_tiles, q.stride(0),
-                                                       k.stride(0), v.stride(0), dout.stride(0), N, scale, softcap, window,
-                                                       **meta, **dkdv)
+        _dkdv_kernel[(len(key_tiles[0]), k.shape[0])](q, k, v, dout, lse, delta, dk, dv, dq_acc, pos, *key_tiles,
+                                                       q.stride(0), k.stride(0), v.stride(0), dout.stride(0), N, scale,
+                                                       softcap, window, **meta, **dkdv)
+        if dkdv["ATOMIC_DQ"]:
+            return dq_acc.to(q.dtype), dk, dv
+        dq, dq_tiles = torch.empty_like(q), tiles["dq"]
+        query_tiles = layout.query_tiles(dq_tiles["BLOCK_M"], q.device)
         _dq_kernel[(len(query_tiles[0]), H)](q, k, v, dout, lse, delta, dq, pos, *query_tiles, q.stride(0), k.stride(0),
                                              v.stride(0), dout.stride(0), N, scale, softcap, window, **meta, **dq_tiles)
     return dq, dk, dv
