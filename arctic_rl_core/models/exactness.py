@@ -206,19 +206,34 @@ _BACKWARD_PROBE_LENGTHS = (2048, 32768)
 """Lengths at which `auto` may pick another backend (it picks by the measured length nearest a forest's)."""
 
 
+_BACKWARD_PARITY = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+"""How far (relative norm) a backend's attention output and gradients may be from the math primitives' at load:
+fp32 kernels summing in another order, 16-bit ones rounding P and dS before their products."""
+
+
+def _probe_layout(device):
+    """A forest whose segments span several of the kernels' tiles (16 under the interpreter, up to 128 on a GPU),
+    so the masked and unmasked tile paths both run."""
+    from arctic_rl_kernels.layout import ForestLayout
+
+    if torch.device(device).type == "cuda":
+        return ForestLayout.groups([320], [[192, 160]])
+    return ForestLayout.groups([40], [[24, 24]])
+
+
 @torch.enable_grad()
 def check_attention_backward(shapes, backend: str, device, dtype) -> None:
-    """Split attention's backward at each attention shape the packed probe's forward called it with (heads, KV
-    heads, head sizes, softcap, window, sinks: `Delivery.shapes`), for every backend `backend` runs at some length:
-    a kernel that cannot run here (too much shared memory or registers for its tiles) is refused at load, not at
-    the first fwd_bwd. Tiles depend on dtype and head size, not on length, so a small forest launches the same
-    kernels."""
-    from arctic_rl_kernels.layout import ForestLayout
+    """Split attention's forward and backward at each attention shape the packed probe's forward called it with
+    (heads, KV heads, head sizes, softcap, window, sinks: `Delivery.shapes`), for every backend `backend` runs at
+    some length, against the math primitives: a kernel that cannot run here (too much shared memory or registers
+    for its tiles), or that a compiler got wrong for this device, is refused at load, not met at the first fwd_bwd.
+    Tiles depend on dtype and head size, not on length, so a small forest launches the same kernels."""
     from arctic_rl_kernels.split_attention import ScoreMods, select_ops, split_attention
 
-    layout = ForestLayout.groups([40], [[24, 24]])
+    layout = _probe_layout(device)
     gen = torch.Generator(device).manual_seed(0)
-    for heads, kv_heads, head_dim, value_dim, softcap, window, sinks in sorted(shapes, key=str):
+    for shape in sorted(shapes, key=str):
+        heads, kv_heads, head_dim, value_dim, softcap, window, sinks = shape
         mods = ScoreMods(softcap=softcap, window=window)
         names = {select_ops(backend, device, dtype, mods, head_dim == value_dim, head_dim, n).name
                  for n in _BACKWARD_PROBE_LENGTHS}
@@ -226,12 +241,29 @@ def check_attention_backward(shapes, backend: str, device, dtype) -> None:
         k = torch.randn(kv_heads, layout.num_tokens, head_dim, generator=gen, device=device).to(dtype).requires_grad_()
         v = torch.randn(kv_heads, layout.num_tokens, value_dim, generator=gen, device=device).to(dtype).requires_grad_()
         s_aux = torch.zeros(heads, device=device, dtype=dtype, requires_grad=True) if sinks else None
+        inputs = [t for t in (q, k, v, s_aux) if t is not None]
+        dout = torch.randn(heads, layout.num_tokens, value_dim, generator=gen, device=device).to(dtype)
+
+        def run(name):
+            out = split_attention(q, k, v, layout, head_dim**-0.5, name, softcap=softcap, window=window, sinks=s_aux)
+            return [t.float() for t in (out, *torch.autograd.grad(out, inputs, dout))]
+
+        reference = run("math") if names - {"math"} else None
         for name in sorted(names):
             try:
-                split_attention(q, k, v, layout, head_dim**-0.5, name, softcap=softcap, window=window,
-                                sinks=s_aux).sum().backward()
+                got = run(name)
             except Exception as err:  # noqa: BLE001 -- a kernel that cannot run here
                 raise _kernel_failure(err) or InvalidRequest(
                     "zorro.attention_backend", f"the {name} split-attention backward fails on this device "
                                                f"({type(err).__name__}: {err}); choose zorro.attention_backend=math"
                 ) from None
+            if reference is None or name == "math":
+                continue
+            error = max(float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip(got, reference))
+            if not error <= _BACKWARD_PARITY.get(dtype, 2e-2):
+                raise InvalidRequest(
+                    "zorro.attention_backend", f"the {name} split attention differs from the math primitives by "
+                                               f"{error:.3g} (relative) on this device at heads={heads}, "
+                                               f"kv_heads={kv_heads}, head size {head_dim}/{value_dim}, "
+                                               f"softcap={softcap}, window={window}; choose "
+                                               f"zorro.attention_backend=math")
