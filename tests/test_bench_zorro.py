@@ -97,3 +97,23 @@ def test_the_memory_plan_checkpoints_and_budgets_only_what_the_device_needs():
     assert forced["gradient_checkpointing"] is False and forced["micro_batch_tokens"] == 4096
     with pytest.raises(SystemExit, match="--prompt-len 1048576: .*--gradient-checkpointing on and --micro-batch-tokens"):
         zorro_memory.plan(config, {**args, "prompt_len": 2**20, "response_len": 2**17}, h100, params)
+
+
+def test_bench_zorro_measures_both_16_bit_modes_against_fp32_and_profiles_them():
+    """`--fp32-reference`: ZoRRo run again in fp32, and each bf16 mode's gradients and log-probs measured against
+    it (bf16 rounding: about 1e-2 relative, not the 1e-4 of fp32 parity). `--profile 3`: each mode's three
+    costliest operators, by their own time."""
+    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
+    out = subprocess.run(
+        [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "48", "--response-len", "8",
+         "--group", "4", "--repeats", "1", "--dtype", "bfloat16", "--fp32-reference", "--profile", "3", "--json"],
+        capture_output=True, text=True, check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    against = result["fp32_reference"]
+    assert result["shape"]["dtype"] == "bfloat16" and result["shape"]["fp32_reference"] is True
+    for mode in ("naive", "zorro"):
+        assert 0 < against["grad_rel_err"][mode] < 5e-2 and 0 < against["logprob_max_abs_err"][mode] < 0.1
+        ops = result["profile"][mode]
+        assert len(ops) == 3 and ops[0]["ms"] >= ops[1]["ms"] >= ops[2]["ms"] > 0 and ops[0]["calls"] >= 1
+        assert all(op["op"] and 0 < op["share"] <= 1 for op in ops)

@@ -30,7 +30,7 @@ from arctic_rl_core.config import ZorroConfig
 SEED = 1234
 SPEC = ("family", "preset", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "turns", "group", "groups",
         "dtype", "attention_backend", "baseline", "micro_batch_tokens", "gradient_checkpointing", "repeats", "threads",
-        "fit_lengths")
+        "fit_lengths", "fp32_reference", "profile")
 
 
 def build_batch(prompt_len: int, response_len: int, group: int, groups: int, vocab: int):
@@ -143,9 +143,26 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
     module = backend.engine.engine.module
     grads = {n: p.grad.detach().float().cpu().contiguous() for n, p in module.named_parameters() if p.grad is not None}
     grads["__logprobs__"] = torch.tensor([x for row in logprobs for x in row])
-    save_file(grads, os.path.join(out_dir, f"{mode}.safetensors"))
+    save_file(grads, os.path.join(out_dir, f"{args.get('save_as', mode)}.safetensors"))
     return {"computed_tokens": computed["tokens"], "fwd_bwd_s": fb_s, "fwd_bwd_all_s": fb_all, "fwd_bwd_peak_mb": fb_mem,
-            "log_probs_s": lp_s, "log_probs_all_s": lp_all, "log_probs_peak_mb": lp_mem}
+            "log_probs_s": lp_s, "log_probs_all_s": lp_all, "log_probs_peak_mb": lp_mem,
+            "profile": profile_ops(fwd_bwd, args.get("profile") or 0, cuda)}
+
+
+def profile_ops(step, top: int, cuda: bool) -> list[dict] | None:
+    """The `top` operators of one more call of `step` by their own time (device time on a GPU, else CPU), from
+    torch.profiler: where a mode's step goes."""
+    if not top:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+    events = prof.key_averages()
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    total = sum(own(e) for e in events) or 1
+    return [{"op": e.key[:160], "calls": e.count, "ms": own(e) / 1e3, "share": own(e) / total}
+            for e in sorted(events, key=own, reverse=True)[:top]]
 
 
 def largest_without_checkpointing(mode: str, args: dict, out_dir: str) -> dict:
@@ -204,14 +221,22 @@ def run(args: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         args = dict(args)
         size = QWEN3_0_6B if args["preset"] == "qwen3-0.6b" else {k: args[k] for k in ("layers", "hidden", "heads", "kv_heads")}
+        args.update({k: size[k] for k in ("layers", "hidden", "heads", "kv_heads")})  # the shape reported is the one run
         positions = max([longest(args)] + [p + p // 8 for p in args["fit_lengths"] or []])
         args["model_dir"] = make_tiny_model(args["family"], os.path.join(tmp, "model"), max_positions=positions, **size)
         config = AutoConfig.from_pretrained(args["model_dir"])
-        memory = None
-        if torch.cuda.is_available():
-            memory = zorro_memory.plan(config, args, torch.cuda.get_device_properties(0).total_memory, _parameters(config))
-            args.update(gradient_checkpointing="on" if memory["gradient_checkpointing"] else "off",
-                        micro_batch_tokens=memory["micro_batch_tokens"])
+        reference_args = {**args, "dtype": "float32", "repeats": 1, "save_as": "reference"}
+
+        def planned(run_args: dict) -> dict | None:
+            if not torch.cuda.is_available():
+                return None
+            chosen = zorro_memory.plan(config, run_args, torch.cuda.get_device_properties(0).total_memory,
+                                       _parameters(config))
+            run_args.update(gradient_checkpointing="on" if chosen["gradient_checkpointing"] else "off",
+                            micro_batch_tokens=chosen["micro_batch_tokens"])
+            return chosen
+
+        memory = planned(args)
         if args["fit_lengths"]:
             if not torch.cuda.is_available():
                 raise SystemExit("--largest-without-checkpointing measures a GPU's memory: it needs CUDA")
@@ -221,9 +246,23 @@ def run(args: dict) -> dict:
                               for mode in ("naive", "zorro")}}
         results = {mode: run_worker("arctic_rl_bench.zorro", mode, json.dumps(args), tmp) for mode in ("naive", "zorro")}
         naive, zorro = load_file(os.path.join(tmp, "naive.safetensors")), load_file(os.path.join(tmp, "zorro.safetensors"))
+        reference = None
+        if args["fp32_reference"] and args["dtype"] != "float32":
+            # ZoRRo in fp32 (exact to the model's own fp32 forward): how far each 16-bit mode's gradients are from it.
+            planned(reference_args)
+            run_worker("arctic_rl_bench.zorro", "zorro", json.dumps(reference_args), tmp)
+            reference = load_file(os.path.join(tmp, "reference.safetensors"))
     lp_n, lp_z = naive.pop("__logprobs__"), zorro.pop("__logprobs__")
     g_n = torch.cat([naive[k].flatten() for k in sorted(naive)])
     g_z = torch.cat([zorro[k].flatten() for k in sorted(naive)])
+    against_fp32 = None
+    if reference is not None:
+        lp_r = reference.pop("__logprobs__")
+        g_r = torch.cat([reference[k].flatten() for k in sorted(naive)])
+        against_fp32 = {"grad_rel_err": {"naive": float((g_n - g_r).norm() / g_r.norm()),
+                                         "zorro": float((g_z - g_r).norm() / g_r.norm())},
+                        "logprob_max_abs_err": {"naive": float((lp_n - lp_r).abs().max()),
+                                                "zorro": float((lp_z - lp_r).abs().max())}}
     shape = Shape(args["prompt_len"], args["response_len"], args["group"], args["groups"])
     theory = theoretical_speedup(config, shape) if args["turns"] == 1 else None  # the FLOP model is single-turn
     n, z = results["naive"], results["zorro"]
@@ -241,6 +280,7 @@ def run(args: dict) -> dict:
         "theory": theory,
         "logprob_max_abs_err": float((lp_n - lp_z).abs().max()),
         "grad_rel_err": float((g_n - g_z).norm() / g_n.norm()),
+        "fp32_reference": against_fp32,
         "peak_mem_naive_mb": n["fwd_bwd_peak_mb"],
         "peak_mem_zorro_mb": z["fwd_bwd_peak_mb"],
         "log_probs": {
@@ -252,6 +292,7 @@ def run(args: dict) -> dict:
             "peak_mem_naive_mb": n["log_probs_peak_mb"],
             "peak_mem_zorro_mb": z["log_probs_peak_mb"],
         },
+        "profile": {"naive": n["profile"], "zorro": z["profile"]} if args["profile"] else None,
         "raw_s": {"naive": {"fwd_bwd": n["fwd_bwd_all_s"], "log_probs": n["log_probs_all_s"]},
                   "zorro": {"fwd_bwd": z["fwd_bwd_all_s"], "log_probs": z["log_probs_all_s"]}},
     }
@@ -283,6 +324,10 @@ def add_arguments(p) -> None:
                    help="instead: the largest of these prompt lengths (default 1K to 32K; responses P/8) at which each "
                         "mode's fwd_bwd fits on this GPU without checkpointing, measured")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile one more fwd_bwd of each mode and report its N costliest operators")
+    p.add_argument("--fp32-reference", action="store_true",
+                   help="with a 16-bit --dtype: also run ZoRRo in fp32 and report both modes' distance from it")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", action="store_true")
 
@@ -318,6 +363,9 @@ def main(args) -> int:
                   f"tokens {plan['micro_batch_tokens'] or 'all'}, activations estimated " +
                   ", ".join(f"{mode} {gb:.1f} GB" for mode, gb in plan["estimate_gb"].items()))
         print(f"parity: logprob max abs err {result['logprob_max_abs_err']:.2e}, grad rel err {result['grad_rel_err']:.2e}")
+        if result["fp32_reference"]:
+            errors = result["fp32_reference"]["grad_rel_err"]
+            print(f"gradients against fp32 ZoRRo: naive {errors['naive']:.2e}, zorro {errors['zorro']:.2e}")
     return 0
 
 
