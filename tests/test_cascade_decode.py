@@ -425,9 +425,49 @@ def test_paged_cache_through_block_tables_matches_reference(seed):
     assert (out.cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
     # Shared: every distinct cached token is one logical key, read once (one block of readers covers a group).
     distinct = {t[i // block_size] * block_size + i % block_size for t, n in zip(tables, lengths) for i in range(n)}
-    assert forest.num_tokens == len(distinct) == len(set(forest.key_rows))
+    assert forest.num_tokens == len(distinct) == len(set(forest.key_rows.tolist()))
     assert (cascade_decode(q, k_cache, v_cache, forest.unshared(), 0.25).cpu() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert forest.plan(CHUNKS[0], 8).keys_read == len(distinct)
+
+
+def _trie_case(rng: random.Random, block_size: int):
+    """Multi-turn shapes a prefix cache makes: a tree of full shared blocks (episodes branching at several depths),
+    sequences whose table is another's prefix or equal to one, and each sequence's own partial last block."""
+    free = iter(rng.sample(range(1000), 1000))
+    tables, lengths = [], []
+    trunks = [[next(free) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 3))]
+    for _ in range(rng.randint(2, 12)):
+        trunk = rng.choice(trunks)
+        path = trunk[: rng.randint(0, len(trunk))] + [next(free) for _ in range(rng.randint(0, 2))]
+        if rng.random() < 0.3 and path:
+            trunks.append(path)  # a later sequence may branch off this one
+        partial = rng.randint(0, block_size - 1) if rng.random() < 0.6 else 0
+        if not path and not partial:
+            partial = 1
+        tables.append(path + ([next(free)] if partial else []))
+        lengths.append(len(path) * block_size + partial)
+    return tables, lengths
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_block_tables_forest_reads_each_sequence_its_own_keys_and_each_shared_block_once(seed):
+    """Random trees of shared blocks: each sequence's chain, read through key_rows, is exactly its own cache rows
+    in order; every block two sequences share through a common prefix is one logical range (keys == distinct
+    (prefix, block) pairs); a tensor of tables padded with stale ids gives the same forest as the lists."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    tables, lengths = _trie_case(rng, block_size)
+    forest = DecodeForest.from_block_tables(tables, lengths, block_size)
+    rows = forest.key_rows.tolist()
+    for b, (table, length) in enumerate(zip(tables, lengths)):
+        own = [table[i // block_size] * block_size + i % block_size for i in range(length)]
+        assert [r for i in forest.chains[b] for r in rows[slice(*forest.segments[i])]] == own, b
+    distinct = {(tuple(t[: i // block_size + 1]), i % block_size) for t, n in zip(tables, lengths) for i in range(n)}
+    assert forest.num_tokens == len(distinct)
+    width = max(map(len, tables)) + 2
+    padded = torch.tensor([t + [rng.randrange(1000) for _ in range(width - len(t))] for t in tables])
+    again = DecodeForest.from_block_tables(padded, lengths, block_size)
+    assert (again.segments, again.chains, again.key_rows.tolist()) == (forest.segments, forest.chains, rows)
 
 
 def test_block_tables_share_only_what_is_shared():
@@ -436,7 +476,7 @@ def test_block_tables_share_only_what_is_shared():
     forest = DecodeForest.from_block_tables([[7, 1], [7, 2], [5]], [6, 5, 3], block_size=4)
     assert forest.segments == ((0, 4), (4, 6), (6, 7), (7, 10))
     assert forest.chains == ((0, 1), (0, 2), (3,))
-    assert forest.key_rows == (28, 29, 30, 31, 4, 5, 8, 20, 21, 22)
+    assert forest.key_rows.tolist() == [28, 29, 30, 31, 4, 5, 8, 20, 21, 22]
     with pytest.raises(ValueError, match="only full blocks are shared"):
         DecodeForest.from_block_tables([[7], [7]], [4, 3], block_size=4)
     with pytest.raises(ValueError, match=r"seq_lens\[0\] = 9"):
@@ -451,7 +491,8 @@ def test_block_tables_of_a_32k_prompt_are_one_shared_segment():
     forest = DecodeForest.from_block_tables(tables, [2048 * 16 + 5] * 4, 16)
     assert forest.segments == ((0, 32768),) + tuple((32768 + 5 * i, 32768 + 5 * (i + 1)) for i in range(4))
     assert forest.chains == tuple((0, i + 1) for i in range(4))
-    assert forest.key_rows[:32768] == tuple(range(32768)) and forest.key_rows[32768:32773] == tuple(range(32768, 32773))
+    assert forest.key_rows[:32768].tolist() == list(range(32768))
+    assert forest.key_rows[32768:32773].tolist() == list(range(32768, 32773))
 
 
 def test_the_key_chunk_splits_the_shared_prompt_to_fill_the_device(monkeypatch):

@@ -37,12 +37,11 @@ def decode_forest(block_table: torch.Tensor, seq_lens: torch.Tensor, num_reqs: i
     if num_reqs < 2:
         return None
     lens = seq_lens[:num_reqs].tolist()
-    first = block_table[:num_reqs, 0].tolist()
-    # No two sequences start in the same block: nothing is shared. A row without keys (a dummy run's): vLLM's own.
-    if len(set(first)) == num_reqs or min(lens) < 1:
+    if min(lens) < 1:  # a row without keys (a dummy run's): vLLM's own
         return None
-    blocks = [-(-n // block_size) for n in lens]
-    tables = block_table[:num_reqs, : max(blocks)].tolist()
+    tables = block_table[:num_reqs, : -(-max(lens) // block_size)].cpu()  # one copy to the host per step
+    if len(set(tables[:, 0].tolist())) == num_reqs:  # no two sequences start in the same block: nothing is shared
+        return None
     try:
         forest = DecodeForest.from_block_tables(tables, lens, block_size)
     except ValueError:  # a shared block filled to different lengths: never expected, and never fatal to the engine

@@ -182,7 +182,7 @@ def host_plan(spec: dict, groups: int, block_size: int, repeats: int) -> dict:
         block_r = spec["block_r"] or default_block_r(spec["heads"], spec["kv_heads"])
 
         def step():
-            forest = DecodeForest.from_block_tables(block_table.tolist(), seq_lens.tolist(), block_size)
+            forest = DecodeForest.from_block_tables(block_table, seq_lens.tolist(), block_size)  # as vLLM's backend
             return forest.plan(spec["chunk"] or fill_chunk(forest, spec["kv_heads"], block_r, device), block_r)
 
         seconds, _ = median_seconds(step, repeats)

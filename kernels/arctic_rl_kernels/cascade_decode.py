@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -90,8 +91,9 @@ class DecodeForest:
     reader its own copy of a range."""
     chains: tuple[tuple[int, ...], ...]
     """Per sequence, the ids of the segments it reads, root to leaf."""
-    key_rows: tuple[int, ...] | None = None
-    """A paged cache's row of each key index the segments name (`from_block_tables`); None: the rows themselves."""
+    key_rows: torch.Tensor | None = field(default=None, compare=False)
+    """A paged cache's row of each key index the segments name (`from_block_tables`), int32 on the host; None: the
+    rows themselves."""
 
     def __post_init__(self):
         object.__setattr__(self, "segments", tuple((int(s), int(e)) for s, e in self.segments))
@@ -112,10 +114,11 @@ class DecodeForest:
             if any(prev[1] > nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
                 raise ValueError(f"chains[{b}] = {chain}: its segments' ranges overlap, so it would read a key twice")
         if self.key_rows is not None:
-            object.__setattr__(self, "key_rows", tuple(map(int, self.key_rows)))
-            if len(self.key_rows) < self.num_tokens or min(self.key_rows) < 0:
+            rows = torch.as_tensor(self.key_rows).to("cpu", torch.int32).reshape(-1)
+            object.__setattr__(self, "key_rows", rows)
+            if rows.numel() < self.num_tokens or int(rows.min()) < 0:
                 raise ValueError(f"key_rows must hold a cache row >= 0 for each of the {self.num_tokens} keys the "
-                                 f"segments name; got {len(self.key_rows)}")
+                                 f"segments name; got {rows.numel()}")
         object.__setattr__(self, "_plans", {})
         counts = [0] * len(self.segments)
         for chain in self.chains:
@@ -124,7 +127,7 @@ class DecodeForest:
         object.__setattr__(self, "reader_counts", tuple(counts))
         """How many sequences read each segment."""
         # The cache rows a call needs, checked per call without a pass over key_rows.
-        object.__setattr__(self, "rows_needed", self.num_tokens if self.key_rows is None else max(self.key_rows) + 1)
+        object.__setattr__(self, "rows_needed", self.num_tokens if self.key_rows is None else int(self.key_rows.max()) + 1)
 
     @classmethod
     def groups(cls, prefix_lengths: Sequence[int], suffix_lengths: Sequence[Sequence[int]]) -> DecodeForest:
@@ -149,55 +152,92 @@ class DecodeForest:
         return cls(tuple(segments), tuple(chains))
 
     @classmethod
-    def from_block_tables(cls, block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int],
-                          block_size: int) -> DecodeForest:
+    def from_block_tables(cls, block_tables, seq_lens: Sequence[int], block_size: int) -> DecodeForest:
         """A paged cache's forest: sequences whose block tables start with the same physical blocks (a prefix
         cache's shared prompt blocks) share those keys. Returns the forest over logical key indices and
-        its `key_rows`, each logical key's row in the cache (block id * block_size + offset)."""
-        if len(block_tables) != len(seq_lens) or not seq_lens:
-            raise ValueError(f"block_tables ({len(block_tables)}) and seq_lens ({len(seq_lens)}) need one entry "
+        its `key_rows`, each logical key's row in the cache (block id * block_size + offset).
+
+        `block_tables`: a row of block ids per sequence (a 2-D tensor or array, as vLLM keeps them, or lists);
+        entries past a sequence's last block are ignored. Every vLLM decoding step runs this, so the per-block work
+        is on arrays: the tables sorted (sequences that share a prefix become neighbours), each neighbour pair's
+        longest common prefix, and from those the trie's branch points, in Python once per sequence."""
+        lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        if len(block_tables) != len(lens) or not len(lens):
+            raise ValueError(f"block_tables ({len(block_tables)}) and seq_lens ({len(lens)}) need one entry "
                              "per sequence, at least one")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        root: dict = {"children": {}}
-        for b, (table, length) in enumerate(zip(block_tables, seq_lens)):
-            blocks = -(-length // block_size)
-            if length < 1 or len(table) < blocks:
-                raise ValueError(f"seq_lens[{b}] = {length} needs 1..{len(table) * block_size} tokens "
-                                 f"(block_tables[{b}] holds {len(table)} blocks)")
-            node = root
-            for j, block in enumerate(table[:blocks]):
-                # Every vLLM decoding step runs this: one dict lookup per block, a node made only when new.
-                tokens = block_size if j < blocks - 1 else length - j * block_size
-                child = node["children"].get(block)
-                if child is None:
-                    child = node["children"][block] = {"block": int(block), "tokens": tokens, "readers": [], "children": {}}
-                elif child["tokens"] != tokens:
-                    raise ValueError(f"block_tables[{b}][{j}] = {block} is shared but filled to {tokens} tokens "
-                                     f"here and {child['tokens']} elsewhere: only full blocks are shared")
-                child["readers"].append(b)
-                node = child
-        segments, chains, rows = [], [[] for _ in seq_lens], []
+        blocks = -(-lens // block_size)
+        tables, held = _block_matrix(block_tables, len(lens))
+        for b in np.flatnonzero((lens < 1) | (blocks > held))[:1]:
+            raise ValueError(f"seq_lens[{b}] = {lens[b]} needs 1..{held[b] * block_size} tokens "
+                             f"(block_tables[{b}] holds {held[b]} blocks)")
+        tables = tables[:, : blocks.max()]
+        tables[np.arange(tables.shape[1]) >= blocks[:, None]] = -1
+        last = lens - (blocks - 1) * block_size  # tokens in each sequence's last block; the others are full
 
-        # Depth first, without recursion: a 32K prompt in 16-token blocks is a run of 2,048 blocks.
-        stack = [(child, [child]) for child in reversed(root["children"].values())]
+        def tokens(b: int, j: int) -> int:
+            return int(last[b]) if j == blocks[b] - 1 else block_size
+
+        order = sorted(range(len(lens)), key=lambda b: tables[b].tobytes())  # equal prefixes become neighbours
+        ordered = tables[order]
+        differ = ordered[1:] != ordered[:-1]
+        lcp = np.where(differ.any(1), differ.argmax(1), tables.shape[1])
+        lcp = np.minimum(lcp, np.minimum(blocks[order][1:], blocks[order][:-1])).tolist()
+        for i, shared in enumerate(lcp):
+            a, b = sorted((order[i], order[i + 1]))
+            # Only a sequence's last block may be partial, so only the last block two sequences share can differ.
+            if shared and tokens(a, shared - 1) != tokens(b, shared - 1):
+                raise ValueError(f"block_tables[{b}][{shared - 1}] = {tables[b, shared - 1]} is shared but filled to "
+                                 f"{tokens(b, shared - 1)} tokens here and {tokens(a, shared - 1)} in sequence {a}: "
+                                 "only full blocks are shared")
+
+        # The compressed trie of the sorted tables: nodes [depth, children, sequences ending here], a node holding
+        # the blocks from its parent's depth to its own; a neighbour pair's common prefix is a branch point.
+        root = [0, [], []]
+        path = [root]
+        for i, b in enumerate(order):
+            if i:
+                left = None
+                while path[-1][0] > lcp[i - 1]:
+                    left = path.pop()
+                if path[-1][0] < lcp[i - 1]:  # the branch point lies inside the node just left: split it there
+                    branch = [lcp[i - 1], [left], []]
+                    path[-1][1][-1] = branch
+                    path.append(branch)
+            if blocks[b] > path[-1][0]:
+                leaf = [int(blocks[b]), [], [b]]
+                path[-1][1].append(leaf)
+                path.append(leaf)
+            else:  # its table is another's prefix, or the same as one
+                path[-1][2].append(b)
+
+        def readers(node) -> list[int]:
+            found, todo = [], [node]
+            while todo:
+                found += todo[-1][2]
+                todo += todo.pop()[1]
+            return sorted(found)
+
+        def in_arrival_order(nodes):  # siblings by their first sequence; reversed for the stack
+            return sorted(nodes, key=lambda n: readers(n)[0], reverse=True)
+
+        # Depth first, without recursion (a 32K prompt in 16-token blocks is a run of 2,048 blocks).
+        segments, chains, pieces, offset = [], [[] for _ in lens], [], 0
+        columns = np.arange(block_size)
+        stack = [(child, 0) for child in in_arrival_order(root[1])]
         while stack:
-            node, run = stack.pop()
-            # A run of blocks read by one set of sequences is one segment.
-            while len(node["children"]) == 1:
-                only = next(iter(node["children"].values()))
-                if only["readers"] != node["readers"]:
-                    break
-                node = only
-                run.append(only)
-            start = len(rows)
-            for block in run:
-                rows.extend(range(block["block"] * block_size, block["block"] * block_size + block["tokens"]))
-            for b in node["readers"]:
+            node, start = stack.pop()
+            seqs = readers(node)
+            rows = (tables[seqs[0], start : node[0], None] * block_size + columns).reshape(-1)
+            rows = rows[: rows.size - block_size + tokens(seqs[0], node[0] - 1)]
+            for b in seqs:
                 chains[b].append(len(segments))
-            segments.append((start, len(rows)))
-            stack.extend((child, [child]) for child in reversed(node["children"].values()))
-        return cls(tuple(segments), tuple(map(tuple, chains)), tuple(rows))
+            segments.append((offset, offset + rows.size))
+            pieces.append(rows)
+            offset += rows.size
+            stack += [(child, node[0]) for child in in_arrival_order(node[1])]
+        return cls(tuple(segments), tuple(map(tuple, chains)), torch.from_numpy(np.concatenate(pieces)))
 
     @property
     def num_sequences(self) -> int:
@@ -251,7 +291,21 @@ class DecodeForest:
         seq_slot_start[1:] = torch.bincount(slot_seq, minlength=self.num_sequences).cumsum(0)
         return DecodePlan(torch.tensor(k0, dtype=torch.int32), torch.tensor(k1, dtype=torch.int32), readers, slots,
                           seq_slot_start, torch.argsort(slot_seq, stable=True).to(torch.int32), block_r,
-                          None if self.key_rows is None else torch.tensor(self.key_rows, dtype=torch.int32))
+                          self.key_rows)
+
+
+def _block_matrix(block_tables, sequences: int) -> tuple[np.ndarray, np.ndarray]:
+    """Block tables as an int64 [sequences, width] matrix (-1 where a list is short), and how many blocks each
+    sequence's table holds."""
+    if isinstance(block_tables, torch.Tensor):
+        block_tables = block_tables.detach().cpu().numpy()
+    if isinstance(block_tables, np.ndarray) and block_tables.ndim == 2:
+        return block_tables.astype(np.int64), np.full(sequences, block_tables.shape[1])
+    held = np.array([len(table) for table in block_tables])
+    matrix = np.full((sequences, max(1, int(held.max()))), -1, dtype=np.int64)
+    for b, table in enumerate(block_tables):
+        matrix[b, : len(table)] = table
+    return matrix, held
 
 
 @triton.jit
