@@ -188,3 +188,28 @@ def test_bench_attention_saves_nothing_when_a_backend_is_wrong(timings_dir, monk
     assert _bench("--save") == 1
     assert f"{DEVICE_FLASH} (float32" in capsys.readouterr().err
     assert not timings_dir.exists()
+
+
+def test_a_gpu_without_tuned_tiles_takes_those_of_its_compute_capability(timings_dir, monkeypatch):
+    """An H200 has no file of its own; the H100's tiles were tuned on the same SM (sm_90: shared memory and
+    registers), so the H200 runs them. A GPU of another capability keeps the default tiles; its own file, once
+    tuned, wins over another's."""
+    cuda = torch.device("cuda")
+    names = {"now": "NVIDIA H100 80GB HBM3"}
+    caps = {"NVIDIA H100 80GB HBM3": "9.0", "NVIDIA H200": "9.0", "NVIDIA A100-SXM4-80GB": "8.0"}
+    monkeypatch.setattr(backend_timings, "device_name", lambda device: names["now"])
+    monkeypatch.setattr(backend_timings, "capability", lambda device: caps[names["now"]])
+    h100 = {"forward": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+            "dkdv": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "ATOMIC_DQ": False},
+            "dq": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}}
+    backend_timings.save_tiles(cuda, torch.bfloat16, 128, {**h100, "date": "2026-11-26"})
+    assert backend_timings.recorded(cuda)["capability"] == "9.0"
+    for name, expected in (("NVIDIA H200", h100), ("NVIDIA A100-SXM4-80GB", None)):
+        names["now"] = name
+        backend_timings._load.cache_clear()
+        assert backend_timings.tuned_tiles(cuda, torch.bfloat16, 128) == expected, name
+        assert backend_timings.tuned_tiles(cuda, torch.bfloat16, 64) is None
+    names["now"] = "NVIDIA H200"
+    own = {**h100, "forward": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}}
+    backend_timings.save_tiles(cuda, torch.bfloat16, 128, {**own, "date": "2026-11-27"})
+    assert backend_timings.tuned_tiles(cuda, torch.bfloat16, 128) == own

@@ -7,8 +7,8 @@ head size and longest sequence; `--sweep` records several lengths in one run. `a
 that was fastest at the measured length nearest the call's (as vLLM ships tuned kernel configurations per
 device name): which backend wins changes with length (on an H100 the fused kernel wins at 2K tokens and
 loses at 32K). `--tune` records, per dtype and head size, the tile sizes the fused kernel's three kernels ran
-fastest with. A device without a file gets the fixed order in `split_attention.py` and the kernel's default
-tiles.
+fastest with. A device without a file gets the fixed order in `split_attention.py`, and the tiles tuned on a
+device of its compute capability or else the kernel's default tiles.
 """
 
 from __future__ import annotations
@@ -76,11 +76,32 @@ def fastest(device: torch.device, dtype: torch.dtype, candidates: list[str], hea
     return min((times[name]["fwd_bwd_ms"], name) for name in candidates if name in times)[1]
 
 
+def capability(device: torch.device) -> str | None:
+    """A CUDA device's compute capability ('9.0'): devices that share it share the SM, its shared memory and
+    registers, so tiles that fit and run well on one fit the other."""
+    if device.type != "cuda":
+        return None
+    return "{}.{}".format(*torch.cuda.get_device_capability(device))
+
+
+def _same_architecture(device: torch.device) -> list[dict]:
+    wanted = capability(device)
+    if wanted is None:
+        return []
+    records = [json.loads(path.read_text()) for path in sorted(TIMINGS_DIR.glob("*.json"))]
+    return [r for r in records if r.get("capability") == wanted and r.get("device") != device_name(device)]
+
+
 def tuned_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict | None:
     """The fused kernel's tile configuration `--tune` found fastest for this device model, dtype and head size:
-    {"forward": {...}, "dkdv": {...}, "dq": {...}}, each BLOCK_M, BLOCK_N, num_warps, num_stages; or None."""
-    entry = recorded(device).get("kernels", {}).get(dtype_key(dtype), {}).get(str(head_dim))
-    return None if entry is None else {kernel: entry[kernel] for kernel in ("forward", "dkdv", "dq")}
+    {"forward": {...}, "dkdv": {...}, "dq": {...}}, each BLOCK_M, BLOCK_N, num_warps, num_stages (dK/dV's maybe
+    ATOMIC_DQ); or None. A model with none takes those tuned on another of its compute capability (an H200 the
+    H100's: one SM design), else None (the kernel's default tiles)."""
+    for record in [recorded(device), *_same_architecture(device)]:
+        entry = record.get("kernels", {}).get(dtype_key(dtype), {}).get(str(head_dim))
+        if entry is not None:
+            return {kernel: entry[kernel] for kernel in ("forward", "dkdv", "dq")}
+    return None
 
 
 def _write(device: torch.device, record: dict) -> Path:
@@ -96,6 +117,7 @@ def save_measurements(device: torch.device, measurements: list[dict]) -> Path:
     same dtype, head size and length; the others are kept."""
     record = dict(recorded(device))
     record["device"] = device_name(device)
+    record["capability"] = capability(device)
     fresh = {(m["dtype"], m["head_dim"], m["longest"]) for m in measurements}
     kept = [m for m in record.get("measurements", []) if (m["dtype"], m["head_dim"], m["longest"]) not in fresh]
     record["measurements"] = sorted(kept + measurements, key=lambda m: (m["dtype"], m["head_dim"], m["longest"]))
@@ -106,6 +128,7 @@ def save_tiles(device: torch.device, dtype: torch.dtype, head_dim: int, entry: d
     """Records the fused kernel's tuned tiles for one dtype and head size ({forward, dkdv, dq, ...})."""
     record = dict(recorded(device))
     record["device"] = device_name(device)
+    record["capability"] = capability(device)
     kernels = {d: dict(sizes) for d, sizes in record.get("kernels", {}).items()}
     kernels.setdefault(dtype_key(dtype), {})[str(head_dim)] = entry
     record["kernels"] = kernels
