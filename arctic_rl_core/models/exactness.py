@@ -246,7 +246,7 @@ def check_attention_backward(shapes, backend: str, device, dtype) -> None:
 
         def run(name):
             out = split_attention(q, k, v, layout, head_dim**-0.5, name, softcap=softcap, window=window, sinks=s_aux)
-            return [t.float() for t in (out, *torch.autograd.grad(out, inputs, dout))]
+            return [t.detach().float() for t in (out, *torch.autograd.grad(out, inputs, dout))]
 
         reference = run("math") if names - {"math"} else None
         for name in sorted(names):

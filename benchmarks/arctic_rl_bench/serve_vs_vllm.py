@@ -231,6 +231,8 @@ def run(rounds: int, names: list[str], placement: str) -> dict:
             key = HEADLINE[name]
             row["ratio"] = row["arctic"][key] / row["vllm"][key]
             row["goal"] = GOALS[name]
+            # Each round's value beside the median: on a small machine one workload's rounds can spread by seconds.
+            row["rounds"] = {side: [r[name][key] for r in rows] for side, rows in runs.items()}
         result["workloads"][name] = row
     return result
 
@@ -249,4 +251,7 @@ def main(args) -> int:
                           f"{k} {ours[k]:.3f} vs {theirs[k]:.3f}" for k in ours)
         verdict = f"  ratio {row['ratio']:.2f} (goal <= {row['goal']})" if "ratio" in row else ""
         print(f"{name:<18} {cells}{verdict}")
+        if "rounds" in row:
+            print(" " * 19 + "rounds: " + "; ".join(f"{side} " + " ".join(f"{v:.3f}" for v in values)
+                                                  for side, values in row["rounds"].items()))
     return 0
