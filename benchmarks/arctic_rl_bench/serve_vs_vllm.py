@@ -36,10 +36,17 @@ MAX_MODEL_LEN = 2048
 SEED = 0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ports(count: int) -> list[int]:
+    """Free loopback ports, all different: each socket stays bound until all are picked (one closed first could be
+    handed out again, and the second server would find its port taken)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _prompt(i: int, length: int = 32) -> list[int]:
@@ -67,12 +74,21 @@ def _server(command: list[str], env: dict, url: str, log_path: str, timeout_s: f
                 time.sleep(1)
             yield url
         finally:  # the server's whole process group: its engine core is a process of its own
-            os.killpg(proc.pid, signal.SIGTERM)
+            _signal_group(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal a server's process group; one already gone (a server that failed to start, and its children)
+    is not an error here, so the reason it failed is the one reported."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _vllm_command(model: str, port: int) -> list[str]:
@@ -204,7 +220,7 @@ def _measure(work: str, rounds: int, names: list[str], placement: str) -> dict[s
     model = make_tiny_model("qwen3", os.path.join(work, "model"), layers=4, hidden=384, heads=6, kv_heads=2,
                             max_positions=MAX_MODEL_LEN)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    ours_port, vllm_port = _port(), _port()
+    ours_port, vllm_port = _ports(2)
     runs: dict[str, list[dict]] = {"arctic": [], "vllm": []}
     with _server(_arctic_command(model, ours_port, work, placement), env, f"http://127.0.0.1:{ours_port}",
                  os.path.join(work, "arctic.log")) as ours, \
