@@ -174,12 +174,19 @@ def test_triton_is_refused_where_it_cannot_run(monkeypatch, tmp_path):
 
 
 
+def _load_with_triton(model_path: str):
+    """A job on the tiny model with split attention on the fused kernel: its load check runs the kernel."""
+    from arctic_rl_core.backend import InProcessBackend
+
+    return InProcessBackend({"model_path": model_path, "zorro": {"attention_backend": "triton"},
+                             "sampler": {"name": "transformers"}})
+
+
 def test_a_kernel_that_fails_on_the_device_is_named_at_load(monkeypatch, tiny_model):
     """A Triton failure in the load-time probe (a kernel that does not compile or launch on this GPU) refuses the
     job on `zorro.attention_backend`, with the way out, not on the model family."""
     from triton.runtime.errors import OutOfResources
 
-    from arctic_rl_core.backend import InProcessBackend
     from arctic_rl_core.errors import InvalidRequest
     from arctic_rl_kernels import forest_flash_attention
 
@@ -189,8 +196,7 @@ def test_a_kernel_that_fails_on_the_device_is_named_at_load(monkeypatch, tiny_mo
     monkeypatch.setattr(forest_flash_attention, "forest_attention_forward", out_of_resources)
     with pytest.raises(InvalidRequest, match=r"zorro.attention_backend: the triton kernel fails on this device "
                                              r"\(OutOfResources.*choose zorro.attention_backend=math"):
-        InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
-                          "sampler": {"name": "transformers"}})
+        _load_with_triton(tiny_model)
 
 
 def test_a_kernel_whose_backward_fails_on_the_device_is_named_at_load(monkeypatch, tiny_model):
@@ -198,7 +204,6 @@ def test_a_kernel_whose_backward_fails_on_the_device_is_named_at_load(monkeypatc
     do not fit this GPU (the forward's do) is refused at load, not at the first fwd_bwd."""
     from triton.runtime.errors import OutOfResources
 
-    from arctic_rl_core.backend import InProcessBackend
     from arctic_rl_core.errors import InvalidRequest
     from arctic_rl_kernels import forest_flash_attention
 
@@ -211,8 +216,7 @@ def test_a_kernel_whose_backward_fails_on_the_device_is_named_at_load(monkeypatc
     monkeypatch.setattr(forest_flash_attention, "forest_attention_backward", out_of_resources)
     with pytest.raises(InvalidRequest, match=r"zorro.attention_backend: the triton kernel fails on this device "
                                              r"\(OutOfResources.*choose zorro.attention_backend=math"):
-        InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
-                          "sampler": {"name": "transformers"}})
+        _load_with_triton(tiny_model)
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(tiny_model)
@@ -224,7 +228,6 @@ def test_a_kernel_whose_gradients_are_wrong_on_the_device_is_refused_at_load(mon
     """The load check compares split attention's output and gradients with the math primitives' at the model's
     attention shape: tiles a compiler gets wrong on this device (on an H100, dK/dV's 32x128 on 8 warps gave
     gradients 30% off) are refused at load, by name, never trained with."""
-    from arctic_rl_core.backend import InProcessBackend
     from arctic_rl_core.errors import InvalidRequest
     from arctic_rl_kernels import forest_flash_attention
 
@@ -237,8 +240,6 @@ def test_a_kernel_whose_gradients_are_wrong_on_the_device_is_refused_at_load(mon
     monkeypatch.setattr(forest_flash_attention, "forest_attention_backward", dv_off_by_a_third)
     with pytest.raises(InvalidRequest, match=r"zorro.attention_backend: the triton split attention differs from the "
                                              r"math primitives by 0\.[0-9]+ \(relative\).*choose zorro.attention_backend=math"):
-        InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
-                          "sampler": {"name": "transformers"}})
+        _load_with_triton(tiny_model)
     monkeypatch.setattr(forest_flash_attention, "forest_attention_backward", real)
-    InProcessBackend({"model_path": tiny_model, "zorro": {"attention_backend": "triton"},
-                      "sampler": {"name": "transformers"}}).close()
+    _load_with_triton(tiny_model).close()
