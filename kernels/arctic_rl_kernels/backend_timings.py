@@ -84,12 +84,10 @@ def capability(device: torch.device) -> str | None:
     return "{}.{}".format(*torch.cuda.get_device_capability(device))
 
 
-def _same_architecture(device: torch.device) -> list[dict]:
-    wanted = capability(device)
-    if wanted is None:
-        return []
-    records = [json.loads(path.read_text()) for path in sorted(TIMINGS_DIR.glob("*.json"))]
-    return [r for r in records if r.get("capability") == wanted and r.get("device") != device_name(device)]
+@functools.cache
+def _every_record(directory: Path) -> tuple[dict, ...]:
+    # Once per folder: read only where a device model has no tiles of its own, but then on every layer's call.
+    return tuple(json.loads(path.read_text()) for path in sorted(directory.glob("*.json")))
 
 
 def tuned_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict | None:
@@ -97,11 +95,15 @@ def tuned_tiles(device: torch.device, dtype: torch.dtype, head_dim: int) -> dict
     {"forward": {...}, "dkdv": {...}, "dq": {...}}, each BLOCK_M, BLOCK_N, num_warps, num_stages (dK/dV's maybe
     ATOMIC_DQ); or None. A model with none takes those tuned on another of its compute capability (an H200 the
     H100's: one SM design), else None (the kernel's default tiles)."""
-    for record in [recorded(device), *_same_architecture(device)]:
-        entry = record.get("kernels", {}).get(dtype_key(dtype), {}).get(str(head_dim))
-        if entry is not None:
-            return {kernel: entry[kernel] for kernel in ("forward", "dkdv", "dq")}
-    return None
+    def entry_of(record: dict) -> dict | None:
+        return record.get("kernels", {}).get(dtype_key(dtype), {}).get(str(head_dim))
+
+    entry = entry_of(recorded(device))
+    wanted = capability(device) if entry is None else None
+    if wanted is not None:
+        entry = next((entry_of(r) for r in _every_record(TIMINGS_DIR)
+                      if r.get("capability") == wanted and entry_of(r) is not None), None)
+    return None if entry is None else {kernel: entry[kernel] for kernel in ("forward", "dkdv", "dq")}
 
 
 def _write(device: torch.device, record: dict) -> Path:
@@ -109,6 +111,7 @@ def _write(device: torch.device, record: dict) -> Path:
     path = TIMINGS_DIR / f"{device_key(device)}.json"
     path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     _load.cache_clear()
+    _every_record.cache_clear()
     return path
 
 
