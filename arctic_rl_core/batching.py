@@ -162,6 +162,14 @@ def _loss_inputs(sequences: list[Sequence], members: list[int], groups: list[int
     )
 
 
+def batch_loss_inputs(sequences: list[Sequence], weight_version: int) -> LossInputs:
+    """The loss inputs of a whole batch as one micro-batch: a loss evaluated on log-probs computed elsewhere (a
+    forward-only call's loss value) sees what `fwd_bwd` would give it."""
+    groups = group_indices(sequences)
+    masks, stats = _batch_stats(sequences, groups, weight_version)
+    return _loss_inputs(sequences, list(range(len(sequences))), groups, masks, stats)
+
+
 def _padded(sequences: list[Sequence], members: list[int], pad_id: int) -> dict:
     width = max(len(sequences[i].prompt_ids) + len(sequences[i].response_ids) for i in members)
     input_ids = torch.full((len(members), width), pad_id, dtype=torch.long)

@@ -97,6 +97,9 @@ def build_parser(plugins: PluginManager | None = None) -> argparse.ArgumentParse
 
     p.add_argument("--tool-call-parser", choices=PARSERS,
                    help="return chat replies' tool-call blocks as tool_calls (as vLLM's option of that name)")
+    p.add_argument("--tinker-full-parameter", action="store_true",
+                   help="the Tinker routes train all parameters of a job without LoRA for clients that ask for LoRA "
+                        "(the Tinker SDK can ask for nothing else); without it they are refused")
     p.add_argument("--checkpoint-dir", default="checkpoints",
                    help="every checkpoint path a request names must resolve inside this directory (default ./checkpoints)")
     p.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",

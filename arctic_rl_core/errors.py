@@ -32,6 +32,10 @@ def _rebuilt(cls: type, field: str, message: str) -> InvalidRequest:
     return error
 
 
+class NotFound(InvalidRequest):
+    """What the request names does not exist, or is not the caller's to see (HTTP 404)."""
+
+
 class UnknownName(InvalidRequest):
     """A loss, post-processor, engine or sampler name that no plugin provides."""
 

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from arctic_rl_core.losses.inputs import LossInputs
+from arctic_rl_core.losses.inputs import AggregationMode, LossInputs
 from arctic_rl_core.losses.registry import register_loss_fn
 
 
 class ImportanceSamplingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "prompt-mean"] = "token-mean"
+    loss_agg_mode: AggregationMode = "token-mean"
 
 
 @register_loss_fn("importance_sampling", config=ImportanceSamplingConfig, requires=("advantages", "behaviour_logprobs"))

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from arctic_rl_core import wire
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.config import BackendConfig
-from arctic_rl_core.errors import ArcticRLError, InvalidRequest, field_path
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest, NotFound, field_path
 from arctic_rl_core.patches import applied as applied_patches
 from arctic_rl_core.calls import API_PREFIX, CALLS, REQUEST_ID_HEADER, Call, CheckpointRequest
 from arctic_rl_core.server.buffers import BufferPool
@@ -61,6 +61,8 @@ class ServerSettings:
     """The model name the OpenAI-compatible routes answer to (default: the job's model_path)."""
     tool_call_parser: str | None = None
     """`hermes`: chat replies' tool-call blocks are returned as `tool_calls` (vLLM's --tool-call-parser)."""
+    tinker_full_parameter: bool = False
+    """The Tinker routes train all parameters of a job without LoRA for a client that asks for LoRA."""
 
     temporary_checkpoint_dir: bool = field(default=False, init=False, repr=False)
     """No directory was given: checkpoints go to a fresh temporary one, removed at shutdown if still empty."""
@@ -207,7 +209,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request, exc: InvalidRequest):
-        if isinstance(exc, (ModelNotFound, UnknownSession)):
+        if isinstance(exc, (ModelNotFound, UnknownSession, NotFound)):
             return _error(404, exc)
         if isinstance(exc, (RequestTooLarge, OverLimit)):
             return _error(413, exc)
@@ -348,6 +350,18 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
         return job.api
 
     add_serving_routes(app, serving, job, api_of, read_json, settings.limits, run_in)
+
+    async def read_bytes(request: Request) -> bytes:
+        async with read(request) as body:
+            return bytes(body)
+
+    try:
+        from arctic_rl_core.tinker.routes import TinkerState, add_tinker_routes
+    except ImportError:  # the `tinker` extra is not installed: no Tinker routes
+        pass
+    else:
+        add_tinker_routes(app, TinkerState(full_parameter=settings.tinker_full_parameter), job, api_of, serving,
+                          read_json, read_bytes, settings.limits, checkpoint_root)
 
     base_openapi = app.openapi
 

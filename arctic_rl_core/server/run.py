@@ -92,7 +92,8 @@ def main(args) -> int:
         setattr(limits, name, int(value))
     settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20,
                               checkpoint_dir=args.checkpoint_dir, limits=limits,
-                              served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser)
+                              served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
+                              tinker_full_parameter=args.tinker_full_parameter)
     server = build_server(settings, config)
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)

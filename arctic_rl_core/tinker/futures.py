@@ -1,0 +1,78 @@
+"""Tinker's futures: every call answers with a request id at once; `retrieve_future` long-polls for the result.
+
+The SDK re-polls the moment it hears "try again", so a poll is held until the result is ready or `poll_s` has
+passed (under the SDK's 45 s timeout). Training calls run in the order of their `seq_id` (the SDK sends a
+forward_backward's chunks at once and the first one last), whatever order their requests arrive in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from typing import Any, Callable
+
+from arctic_rl_core.errors import InvalidRequest, NotFound
+from arctic_rl_core.server.limits import OverLimit
+
+
+class FutureTable:
+    def __init__(self, poll_s: float = 25.0, max_pending: int = 1024, max_done: int = 1024):
+        self.poll_s, self.max_pending, self.max_done = poll_s, max_pending, max_done
+        self._futures: OrderedDict[str, tuple[asyncio.Future, Callable[[Any], Any]]] = OrderedDict()
+
+    def add(self, encode: Callable[[Any], Any]) -> tuple[str, asyncio.Future]:
+        """A new request id and the future its work resolves; `encode` makes the result a response."""
+        pending = sum(not f.done() for f, _ in self._futures.values())
+        if pending >= self.max_pending:
+            raise OverLimit("request", f"{pending} Tinker requests are already waiting (the server's cap)")
+        request_id = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = (future, encode)
+        self._forget_oldest_done()
+        return request_id, future
+
+    def _forget_oldest_done(self) -> None:
+        done = [key for key, (f, _) in self._futures.items() if f.done()]
+        for key in done[: max(0, len(done) - self.max_done)]:
+            del self._futures[key]
+
+    async def retrieve(self, request_id: str) -> tuple[str, Any]:
+        """("pending", None), ("done", response) or ("failed", the exception). A result stays retrievable (a poll
+        whose answer was lost is answered again) until `max_done` later results push it out."""
+        entry = self._futures.get(request_id)
+        if entry is None:
+            raise NotFound("request_id", f"no Tinker request has the id {request_id!r} (or it was long retrieved)")
+        future, encode = entry
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), self.poll_s)
+        except asyncio.TimeoutError:
+            return "pending", None
+        except Exception as err:  # the call's own failure is its answer
+            return "failed", err
+        return "done", encode(result)
+
+
+class SeqOrder:
+    """Starts a model's calls in `seq_id` order: a call waits for the ones numbered before it to start."""
+
+    def __init__(self, first: int = 1, max_waiting: int = 256):
+        self.next, self.max_waiting = first, max_waiting
+        self._waiting: dict[int, Callable[[], None]] = {}
+        self.issued: dict[int, str] = {}
+        """seq_id -> request id: a call sent twice (the SDK's retries) is the same request."""
+
+    def admit(self, seq_id: int, start: Callable[[], None]) -> None:
+        if seq_id < self.next:
+            raise InvalidRequest("seq_id", f"{seq_id} has already run on this model (next is {self.next})")
+        if len(self._waiting) >= self.max_waiting:
+            raise OverLimit("seq_id", f"{len(self._waiting)} calls already wait for seq_id {self.next}")
+        self._waiting[seq_id] = start
+        while self.next in self._waiting:
+            self._waiting.pop(self.next)()
+            self.next += 1
+
+    def skip(self, seq_id: object) -> None:
+        """A call refused before it ran still takes its turn: the calls numbered after it do not wait for it."""
+        if isinstance(seq_id, int) and seq_id >= self.next and seq_id not in self._waiting and seq_id not in self.issued:
+            self.admit(seq_id, lambda: None)

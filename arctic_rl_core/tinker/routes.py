@@ -1,0 +1,536 @@
+"""Tinker's training and sampling API (`/api/v1/...`) on `arctic-rl serve`, for the unmodified `tinker` SDK.
+
+The Tinker model is the job's policy: one tenant at a time trains it (LoRA at the job's `engine.lora` rank, or
+all parameters where the server runs with `--tinker-full-parameter`). Training calls run on the job's ordered
+worker in `seq_id` order; `forward_backward` accumulates gradients until `optim_step`, as Tinker's do.
+`save_weights_for_sampler` syncs the weights to the sampler; a sampling session samples the version it was made
+for, and is refused once a later sync has replaced it (never silently sampled from other weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from arctic_rl_core.batching import batch_loss_inputs
+from arctic_rl_core.errors import InvalidRequest, NotFound
+from arctic_rl_core.plugins.manager import load_plugins
+from arctic_rl_core.server.limits import OverLimit, RequestLimits
+from arctic_rl_core.server.security import confine
+from arctic_rl_core.tinker import wire
+from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
+from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
+from arctic_rl_core.types import LossSpec, SamplingParams, Sequence
+from arctic_rl_core.validation import parse
+
+PREFIX = "/api/v1"
+MAX_SESSIONS = 256
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_TINKER_PATH = re.compile(r"^tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
+# Arctic RL field names in a backend refusal, as the Tinker request spells them.
+_FIELD_NAMES = {"advantages": "loss_fn_inputs.advantages", "behaviour_logprobs": "loss_fn_inputs.logprobs",
+                "prompt_ids": "model_input", "response_ids": "model_input"}
+
+
+@dataclass
+class TinkerModel:
+    model_id: str
+    session_id: str
+    order: SeqOrder = field(default_factory=SeqOrder)
+
+
+@dataclass
+class Sampler:
+    session_id: str
+    weight_version: int
+    model_path: str | None
+
+
+@dataclass
+class TinkerState:
+    full_parameter: bool = False
+    """Train all of a full-parameter job's weights for a client that asks for LoRA (the SDK can ask for no other)."""
+    sessions: dict[str, float] = field(default_factory=dict)
+    """session id -> when it was last heard from."""
+    model: TinkerModel | None = None
+    samplers: dict[str, Sampler] = field(default_factory=dict)
+    sampler_paths: dict[str, int] = field(default_factory=dict)
+    """tinker://.../sampler_weights/<name> -> the weight version saved under it."""
+    futures: FutureTable = field(default_factory=FutureTable)
+
+
+def _translated(err: InvalidRequest) -> InvalidRequest:
+    """A backend refusal about `sequences[i].<field>` named as the Tinker request's `data[i].<key>`."""
+    match = re.match(r"^sequences\[(\d+)\]\.?(\w*)(.*)$", err.field or "")
+    if not match:
+        return err
+    key = _FIELD_NAMES.get(match.group(2), match.group(2))
+    return type(err)(f"data[{match.group(1)}]" + (f".{key}" if key else "") + match.group(3), err.message)
+
+
+def _failure(err: Exception) -> dict:
+    category = "user" if isinstance(err, InvalidRequest) else "server"
+    message = f"{err.field}: {err.message}" if isinstance(err, InvalidRequest) else f"{type(err).__name__}: {err}"
+    return {"error": message, "category": category}
+
+
+def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[], Any], serving,
+                      read_json: Callable[[Request], Awaitable[Any]], read_bytes: Callable[[Request], Awaitable[bytes]],
+                      limits: RequestLimits, checkpoint_root: str) -> None:
+    losses = load_plugins().losses
+
+    def model_name(api) -> str:
+        return serving.model_name(api)
+
+    def session(session_id: Any) -> str:
+        if session_id not in state.sessions:
+            raise NotFound("session_id", f"no session {session_id!r} on this server: create_session first")
+        state.sessions[session_id] = time.time()
+        return session_id
+
+    def owned_model(model_id: Any) -> TinkerModel:
+        model = state.model
+        if model is None or model.model_id != model_id:
+            raise NotFound("model_id", f"no model {model_id!r} on this server")
+        session(model.session_id)
+        return model
+
+    def resolve(outcome: asyncio.Future, done: asyncio.Future) -> None:
+        if done.exception() is not None:
+            outcome.set_exception(done.exception())
+        else:
+            outcome.set_result(done.result())
+
+    def deferred(encode: Callable[[Any], Any], work: Callable[[], Any]) -> tuple[str, Callable[[], None]]:
+        """A request id now, and `start()`, which runs `work` on the job's ordered worker; its result is encoded
+        when retrieved."""
+        request_id, outcome = state.futures.add(encode)
+
+        def start():
+            asyncio.wrap_future(job.ordered.submit(work)).add_done_callback(lambda done: resolve(outcome, done))
+        return request_id, start
+
+    def ordered(model: TinkerModel, seq_id: Any, encode, work) -> dict:
+        """A training call in its seq_id turn on the job's ordered worker; the same seq_id sent again is one call."""
+        if not isinstance(seq_id, int):
+            raise InvalidRequest("seq_id", "must be an integer")
+        if seq_id in model.order.issued:
+            return {"request_id": model.order.issued[seq_id], "model_id": model.model_id}
+        request_id, start = deferred(encode, work)
+        model.order.admit(seq_id, start)
+        model.order.issued[seq_id] = request_id
+        return {"request_id": request_id, "model_id": model.model_id}
+
+    @contextmanager
+    def in_turn(model_id: Any, seq_id: Any):
+        """A training call's checks: where they refuse it, its seq_id's turn passes (the SDK numbered the calls after
+        it already, and they must not wait for one that never runs)."""
+        try:
+            yield
+        except InvalidRequest:
+            if state.model is not None and state.model.model_id == model_id:
+                state.model.order.skip(seq_id)
+            raise
+
+    def training_call(name: str):
+        """A JSON route of a training call: `handler(body)` checks it and returns its future (`ordered`)."""
+        def register(handler: Callable[[dict], dict]) -> Callable[[dict], dict]:
+            async def route(request: Request):
+                body = await read_json(request)
+                with in_turn(body.get("model_id"), body.get("seq_id")):
+                    return handler(body)
+            app.post(f"{PREFIX}/{name}", name=f"tinker_{name}")(route)
+            return handler
+        return register
+
+    def checkpoint_dir(model_id: str, name: Any) -> str:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise InvalidRequest("path", f"{name!r} is not a checkpoint name (1-128 of A-Z a-z 0-9 . _ -)")
+        return confine(checkpoint_root, os.path.join("tinker", model_id.replace(":", "_"), name))
+
+    # -- session ------------------------------------------------------------------------------------------
+
+    @app.post(f"{PREFIX}/client/config")
+    async def client_config(request: Request):
+        await read_json(request)
+        # Plain httpx (no pyqwest); uncompressed forward_backward bodies; one poll per future.
+        return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "pjwt_auth_enabled": False,
+                "sample_use_retrieve_futures": False, "parallel_fwdbwd_chunks": True}
+
+    @app.post(f"{PREFIX}/client/dynamic_config")
+    async def dynamic_config(request: Request):
+        await read_json(request)
+        return {}
+
+    @app.post(f"{PREFIX}/create_session")
+    async def create_session(request: Request):
+        await read_json(request)
+        if len(state.sessions) >= MAX_SESSIONS:
+            idle = [s for s in sorted(state.sessions, key=state.sessions.get)
+                    if state.model is None or s != state.model.session_id]
+            if not idle:
+                raise OverLimit("session", f"the server holds {MAX_SESSIONS} sessions")
+            del state.sessions[idle[0]]
+        session_id = uuid.uuid4().hex
+        state.sessions[session_id] = time.time()
+        return {"session_id": session_id, "type": "create_session"}
+
+    @app.post(f"{PREFIX}/session_heartbeat")
+    async def heartbeat(request: Request):
+        body = await read_json(request)
+        if body.get("session_id") not in state.sessions:
+            return JSONResponse({"error": "unknown session"}, status_code=410)  # the SDK stops its heartbeat
+        session(body["session_id"])
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{PREFIX}/telemetry")
+    async def telemetry(request: Request):
+        await read_json(request)
+        return {"status": "accepted"}  # kept nowhere: the server sends nothing out
+
+    @app.post(f"{PREFIX}/sessions/{{session_id}}/finish")
+    async def finish(session_id: str, request: Request):
+        await read_json(request)
+        session(session_id)
+        if state.model is not None and state.model.session_id == session_id:
+            # The job's weights stay; gradients the tenant accumulated and never stepped go with it.
+            state.model = None
+            api = job.api
+            if api is not None:
+                await asyncio.wrap_future(job.ordered.submit(api.discard_gradients))
+        for key in [k for k, s in state.samplers.items() if s.session_id == session_id]:
+            del state.samplers[key]
+        del state.sessions[session_id]
+        return {}
+
+    @app.get(f"{PREFIX}/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get(f"{PREFIX}/get_server_capabilities")
+    async def capabilities():
+        api = api_of()
+        return {"supported_models": [{"model_name": model_name(api), "max_context_length": api.sampler.max_context,
+                                      "trainable": True, "sampleable": True}]}
+
+    # -- models -------------------------------------------------------------------------------------------
+
+    def lora_rank(api) -> int | None:
+        lora = api.config.engine.lora
+        return None if lora is None else lora.r
+
+    def new_model(api, body: dict) -> TinkerModel:
+        session_id = session(body.get("session_id"))
+        base = body.get("base_model")
+        if base is not None and base != model_name(api):
+            raise InvalidRequest("base_model", f"this server trains {model_name(api)!r}, not {base!r}")
+        rank = (body.get("lora_config") or {}).get("rank")
+        job_rank = lora_rank(api)
+        if job_rank is not None and rank is not None and rank != job_rank:
+            raise InvalidRequest("lora_config.rank", f"this job trains LoRA adapters of rank {job_rank}, not {rank}")
+        if job_rank is None and rank is not None and not state.full_parameter:
+            raise InvalidRequest("lora_config.rank", "this job trains all parameters, not LoRA adapters; start the "
+                                 "server with --tinker-full-parameter to train them for a LoRA client")
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise InvalidRequest("optimizer_config.type", f"{optimizer!r}: this server's optimizer is AdamW")
+        if state.model is not None and state.model.session_id != session_id:
+            raise InvalidRequest("base_model", "another session trains this job's model; one tenant at a time "
+                                 "(it frees the model when its session finishes)")
+        seq = body.get("model_seq_id", 0)
+        state.model = TinkerModel(f"{session_id}:train:{seq}", session_id)
+        return state.model
+
+    def done_now(value: dict) -> dict:
+        """A future that is already resolved (calls that change no training state)."""
+        request_id, outcome = state.futures.add(lambda result: result)
+        outcome.set_result(value)
+        return {"request_id": request_id}
+
+    @app.post(f"{PREFIX}/create_model")
+    async def create_model(request: Request):
+        body = await read_json(request)
+        model = new_model(api_of(), body)
+        return {**done_now({"model_id": model.model_id, "type": "create_model"}), "model_id": model.model_id}
+
+    @app.post(f"{PREFIX}/get_info")
+    async def get_info(request: Request):
+        body = await read_json(request)
+        api, model = api_of(), owned_model(body.get("model_id"))
+        rank = lora_rank(api)
+        return {"model_id": model.model_id, "type": "get_info", "model_name": model_name(api),
+                "model_data": {"model_name": model_name(api), "tokenizer_id": api.config.model_path},
+                "is_lora": rank is not None, "lora_rank": rank}
+
+    @app.post(f"{PREFIX}/weights_info")
+    async def weights_info(request: Request):
+        body = await read_json(request)
+        api = api_of()
+        path = body.get("tinker_path")
+        match = _TINKER_PATH.match(path or "")
+        if match is None or not (path in state.sampler_paths or os.path.isdir(
+                checkpoint_dir(match.group("model"), match.group("name")))):
+            raise NotFound("tinker_path", f"no checkpoint {path!r} on this server")
+        rank = lora_rank(api)
+        return {"base_model": model_name(api), "is_lora": rank is not None, "lora_rank": rank}
+
+    # -- training -----------------------------------------------------------------------------------------
+
+    @app.post(f"{PREFIX}/forward_backward")
+    async def forward_backward(request: Request):
+        if request.headers.get("content-type", "").split(";")[0] != wire.MEDIA_TYPE:
+            raise InvalidRequest("content-type", f"forward_backward takes {wire.MEDIA_TYPE}")
+        body = await read_bytes(request)
+        if request.headers.get("content-encoding") == "zstd":
+            import zstandard
+
+            try:
+                body = zstandard.ZstdDecompressor().decompress(body, max_output_size=limits.tokens_per_call * 64)
+            except zstandard.ZstdError as err:
+                raise InvalidRequest("body", f"not a zstd frame within the server's cap: {err}") from None
+        message = wire.parse_request(body)
+        with in_turn(message.model_id, message.seq_id):
+            batch = wire.decode_batch(message)
+            api, model = api_of(), owned_model(batch.model_id)
+            spec = loss_spec(batch.loss_fn, batch.config)
+            sequences = with_loss_inputs(batch.loss_fn, batch.sequences, batch.inputs)
+            limits.check("fwd_bwd", SimpleNamespace(sequences=sequences))
+
+            def work():
+                try:
+                    if batch.forward_only:
+                        scored = api.log_probs(sequences)
+                        loss = evaluate(spec, sequences, scored.logprobs, scored.weight_version)
+                        return scored.logprobs, {"loss:sum": loss}
+                    result = api.fwd_bwd(sequences, spec, return_logprobs=True)
+                    return result.logprobs, {"loss:sum": result.loss}
+                except InvalidRequest as err:
+                    raise _translated(err) from None
+
+            def encode(result):
+                return Response(wire.forward_backward_output(*result), media_type=wire.MEDIA_TYPE)
+
+            return ordered(model, batch.seq_id, encode, work)
+
+    def evaluate(spec: LossSpec, sequences: list[Sequence], logprobs: list[list[float]], version: int) -> float:
+        """The loss `fwd_bwd` would report, on log-probs of a forward-only call (the registered loss itself)."""
+        import torch
+
+        entry = losses.get(spec.name, "loss_fn")
+        config = entry.parse_config(spec.config, "loss_fn_config")
+        flat = torch.from_numpy(np.concatenate([np.asarray(row, dtype=np.float32) for row in logprobs]))
+        with torch.no_grad():
+            loss, _ = entry.fn({"logprobs": flat}, batch_loss_inputs(sequences, version), config)
+        return float(loss)
+
+    @training_call("optim_step")
+    def optim_step(body: dict) -> dict:
+        api, model = api_of(), owned_model(body.get("model_id"))
+        if "optimizer_params" in body:
+            raise InvalidRequest("optimizer_params", "this server's optimizer is AdamW: send adam_params")
+        adam = body.get("adam_params") or {}
+        engine = api.config.engine
+        # What the job's optimizer was built with; per-call values other than these are refused, never ignored.
+        fixed = {"beta1": engine.betas[0], "beta2": engine.betas[1], "eps": engine.eps,
+                 "weight_decay": engine.weight_decay, "grad_clip_norm": engine.grad_clip or 0.0}
+        for key, value in fixed.items():
+            given = adam.get(key, value)
+            if not isinstance(given, (int, float)) or not np.isclose(given, value, rtol=1e-6, atol=0):
+                raise InvalidRequest(f"adam_params.{key}", f"is {given!r}; this job's optimizer has {key} = {value} "
+                                     "(engine.betas, eps, weight_decay, grad_clip in the job's configuration)")
+        learning_rate = adam.get("learning_rate")
+
+        def work():
+            return api.step(learning_rate)
+
+        def encode(result):
+            return JSONResponse({"type": "optim_step", "metrics": {
+                "grad_norm": result.grad_norm, "learning_rate": result.learning_rate, "step": float(result.step)}})
+
+        return ordered(model, body.get("seq_id"), encode, work)
+
+    # -- weights ------------------------------------------------------------------------------------------
+
+    def new_sampler(session_id: str, version: int, path: str | None) -> str:
+        sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:12]}"
+        state.samplers[sampler_id] = Sampler(session_id, version, path)
+        return sampler_id
+
+    @training_call("save_weights_for_sampler")
+    def save_weights_for_sampler(body: dict) -> dict:
+        api, model = api_of(), owned_model(body.get("model_id"))
+        name = body.get("path")
+        if name is not None:
+            checkpoint_dir(model.model_id, name)  # the name is checked now: the call fails before it runs
+
+        def work():
+            return api.sync_weights()
+
+        def encode(version: int):
+            path = f"tinker://{model.model_id}/sampler_weights/{name if name is not None else f'v{version}'}"
+            state.sampler_paths[path] = version
+            answer = {"type": "save_weights_for_sampler", "path": path}
+            if name is None:  # the SDK's ephemeral save: it samples through the session made here
+                answer["sampling_session_id"] = new_sampler(model.session_id, version, path)
+            return JSONResponse(answer)
+
+        return ordered(model, body.get("seq_id"), encode, work)
+
+    @training_call("save_weights")
+    def save_weights(body: dict) -> dict:
+        api, model = api_of(), owned_model(body.get("model_id"))
+        name = body.get("path")
+        directory = checkpoint_dir(model.model_id, name)
+        if os.path.exists(directory) and not body.get("overwrite", False):
+            raise InvalidRequest("path", f"a checkpoint {name!r} exists; set overwrite to replace it")
+
+        def work():
+            return api.save_checkpoint(directory)
+
+        def encode(_):
+            return JSONResponse({"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"})
+
+        return ordered(model, body.get("seq_id"), encode, work)
+
+    @training_call("load_weights")
+    def load_weights(body: dict) -> dict:
+        api = api_of()
+        path = body.get("path")
+        match = _TINKER_PATH.match(path or "")
+        if match is None or match.group("kind") != "weights":
+            raise InvalidRequest("path", f"{path!r} is not a tinker://<model>/weights/<name> path of this server")
+        directory = checkpoint_dir(match.group("model"), match.group("name"))
+        if not os.path.isdir(directory):
+            raise NotFound("path", f"no checkpoint {path!r} on this server")
+        if not body.get("optimizer", False):
+            raise InvalidRequest("optimizer", "this server restores a checkpoint's weights with its optimizer state: "
+                                 "use load_state_with_optimizer (create_training_client_from_state_with_optimizer)")
+        if "session_id" in body:  # the SDK's create-from-state: this load makes the model, before its call 1
+            model = new_model(api, body)
+            request_id, start = deferred(lambda _: JSONResponse({"type": "load_weights", "path": path,
+                                                                 "model_id": model.model_id}),
+                                         lambda: api.load_checkpoint(directory))
+            start()
+            return {"request_id": request_id, "model_id": model.model_id}
+        model = owned_model(body.get("model_id"))
+        return ordered(model, body.get("seq_id"),
+                       lambda _: JSONResponse({"type": "load_weights", "path": path, "model_id": model.model_id}),
+                       lambda: api.load_checkpoint(directory))
+
+    # -- sampling -----------------------------------------------------------------------------------------
+
+    @app.post(f"{PREFIX}/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        body = await read_json(request)
+        api = api_of()
+        session_id = session(body.get("session_id"))
+        path, base = body.get("model_path"), body.get("base_model")
+        if path is not None:
+            if path not in state.sampler_paths:
+                raise NotFound("model_path", f"no sampler weights {path!r} on this server")
+            version = state.sampler_paths[path]
+        else:
+            if base is not None and base != model_name(api):
+                raise InvalidRequest("base_model", f"this server samples {model_name(api)!r}, not {base!r}")
+            version = 0  # the base model: the job's initial weights
+        return {"type": "create_sampling_session", "sampling_session_id": new_sampler(session_id, version, path)}
+
+    @app.get(f"{PREFIX}/samplers/{{sampler_id}}")
+    async def get_sampler(sampler_id: str):
+        sampler = state.samplers.get(sampler_id)
+        if sampler is None:
+            raise NotFound("sampler_id", f"no sampler {sampler_id!r}")
+        return {"sampler_id": sampler_id, "base_model": model_name(api_of()), "model_path": sampler.model_path}
+
+    @app.post(f"{PREFIX}/asample")
+    async def asample(request: Request):
+        body = await read_json(request)
+        api = api_of()
+        sampler = state.samplers.get(body.get("sampling_session_id"))
+        if sampler is None:
+            raise NotFound("sampling_session_id", f"no sampling session {body.get('sampling_session_id')!r}")
+        session(sampler.session_id)
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+            if body.get(key):
+                raise InvalidRequest(key, "top-k log-probs are not supported by this server")
+        for key in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
+            if body.get(key) is not None:
+                raise InvalidRequest(key, "is not supported by this server")
+        if body.get("record_stability_info"):
+            raise InvalidRequest("record_stability_info", "is not supported by this server")
+        prompt = prompt_tokens(body.get("prompt"))
+        params = dict(body.get("sampling_params") or {})
+        num_samples = body.get("num_samples", 1)
+        stop = params.pop("stop", None)
+        top_k = params.pop("top_k", -1)
+        max_tokens = params.pop("max_tokens", None)
+        if max_tokens is None:
+            max_tokens = min(max(api.sampler.max_context - len(prompt), 1), limits.max_tokens)
+        stops = {} if stop is None else {"stop": [stop]} if isinstance(stop, str) else (
+            {"stop_token_ids": stop} if stop and all(isinstance(s, int) for s in stop) else {"stop": stop})
+        with_prompt = bool(body.get("prompt_logprobs"))
+        sampling = parse(SamplingParams, {**params, **stops, "n": num_samples, "max_tokens": max_tokens,
+                                          "top_k": max(top_k, 0), "prompt_logprobs": 0 if with_prompt else None},
+                         "sampling_params")
+        try:
+            limits.check("generate", SimpleNamespace(prompts=[prompt], sampling=sampling))
+            api.checked_generate([prompt], sampling)
+        except InvalidRequest as err:
+            raise type(err)(err.field.replace("prompts[0]", "prompt").replace("sampling.", "sampling_params."),
+                            err.message) from None
+
+        async def work():
+            if api.weight_version != sampler.weight_version:
+                raise InvalidRequest("sampling_session_id", f"its weights (version {sampler.weight_version}) were "
+                                     f"replaced by version {api.weight_version}: save weights for the sampler again")
+            completions = await serving.generate(api, job.reads, [prompt], sampling)
+            stale = [c.weight_version for c in completions if c.weight_version != sampler.weight_version]
+            if stale:
+                raise InvalidRequest("sampling_session_id", f"a weight sync (version {stale[0]}) crossed this sample")
+            logprobs = [lp for _, lp in (row[0] for row in completions[0].prompt_logprobs)] if with_prompt else None
+            return completions, logprobs
+
+        request_id, outcome = state.futures.add(
+            lambda result: Response(wire.sample_response(*result), media_type=wire.MEDIA_TYPE))
+        asyncio.ensure_future(work()).add_done_callback(lambda done: resolve(outcome, done))
+        return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(sampling.n)]}
+
+    def prompt_tokens(prompt: Any) -> list[int]:
+        chunks = (prompt or {}).get("chunks") if isinstance(prompt, dict) else None
+        if not chunks:
+            raise InvalidRequest("prompt.chunks", "must hold at least one chunk")
+        tokens = []
+        for j, chunk in enumerate(chunks):
+            if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+                raise InvalidRequest(f"prompt.chunks[{j}]", "this server samples from text tokens only")
+            ids = chunk.get("tokens")
+            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise InvalidRequest(f"prompt.chunks[{j}].tokens", "must be a list of token ids")
+            tokens.extend(ids)
+        if not tokens:
+            raise InvalidRequest("prompt", "holds no tokens")
+        return tokens
+
+    # -- futures ------------------------------------------------------------------------------------------
+
+    @app.post(f"{PREFIX}/retrieve_future")
+    async def retrieve_future(request: Request):
+        body = await read_json(request)
+        status, value = await state.futures.retrieve(body.get("request_id"))
+        if status == "pending":
+            return {"type": "try_again", "request_id": body.get("request_id"), "queue_state": "active"}
+        if status == "failed":
+            return _failure(value)
+        return value if isinstance(value, Response) else JSONResponse(value)
+

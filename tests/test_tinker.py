@@ -1,0 +1,280 @@
+"""Tinker's API on `arctic-rl serve`, driven by the unmodified `tinker` SDK; Tinker's losses against their
+documented definitions (tinker-cookbook's docs/losses.mdx, written out below as the reference)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+tinker = pytest.importorskip("tinker", reason="the `tinker` extra (make install) provides the Tinker routes")
+from tinker import types  # noqa: E402
+
+from arctic_rl_core.batching import batch_loss_inputs  # noqa: E402
+from arctic_rl_core.client import ArcticRLClient  # noqa: E402
+from arctic_rl_core.config import BackendConfig  # noqa: E402
+from arctic_rl_core.engines.distributed import free_loopback_port  # noqa: E402
+from arctic_rl_core.errors import InvalidRequest  # noqa: E402
+from arctic_rl_core.plugins.manager import load_plugins  # noqa: E402
+from arctic_rl_core.server.app import ServerSettings  # noqa: E402
+from arctic_rl_core.server.run import ServerThread  # noqa: E402
+from arctic_rl_core.tinker.futures import SeqOrder  # noqa: E402
+from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs  # noqa: E402
+from arctic_rl_core.types import Sequence  # noqa: E402
+
+from conftest import LIGHT_SAMPLER  # noqa: E402
+
+os.environ["TINKER_TELEMETRY"] = "0"
+MODEL = "tiny/qwen3"
+ADAM = dict(beta1=0.9, beta2=0.95, eps=1e-8)
+# The optimizer the job was built with: what Tinker's AdamParams above ask for (no gradient clipping).
+ENGINE = {"learning_rate": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "grad_clip": None}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    config = BackendConfig.model_validate({"model_path": tiny_model, "engine": ENGINE, "sampler": LIGHT_SAMPLER})
+    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, tinker_full_parameter=True,
+                              checkpoint_dir=str(tmp_path_factory.mktemp("checkpoints")))
+    with ServerThread(settings, config) as url:
+        yield url
+
+
+@pytest.fixture
+def arctic(server):
+    return ArcticRLClient(server, retries=0)
+
+
+def service(url: str, key: str = "tml-local") -> "tinker.ServiceClient":
+    return tinker.ServiceClient(base_url=url, api_key=key)
+
+
+def datum(tokens: list[int], **inputs) -> types.Datum:
+    """Tokens as a next-token datum: inputs x[:-1], targets x[1:], per-position `inputs`."""
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+def sft_data() -> list[types.Datum]:
+    rows = [[11, 12, 13, 14, 15, 16, 17, 18], [11, 12, 13, 40, 41, 42], [11, 12, 13, 14, 15, 60, 61, 62, 63]]
+    # Prompt positions weigh 0 (the first three targets), completion positions 1.
+    return [datum(r, weights=[0.0] * 2 + [1.0] * (len(r) - 3)) for r in rows]
+
+
+def as_sequence(d: types.Datum) -> Sequence:
+    tokens = d.model_input.to_ints()
+    return Sequence(prompt_ids=tokens[:1], response_ids=tokens[1:] + [int(d.loss_fn_inputs["target_tokens"].data[-1])])
+
+
+def test_supervised_loop_trains_and_returns_the_models_own_log_probs(server, arctic):
+    data = sft_data()
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        info = tc.get_info()
+        assert info.model_data.model_name == MODEL and info.is_lora is False
+        expected = arctic.log_probs([as_sequence(d) for d in data]).logprobs
+        losses = []
+        for step in range(4):
+            out = tc.forward_backward(data, "cross_entropy").result()
+            if step == 0:  # the positions' log-probs under the weights the gradient was taken at
+                for row, exp in zip(out.loss_fn_outputs, expected):
+                    assert np.allclose(row["logprobs"].to_numpy(), exp, atol=1e-5)
+            losses.append(out.metrics["loss:sum"])
+            tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_forward_reports_the_loss_forward_backward_differentiates(server, arctic):
+    data = sft_data()
+    rl = [datum(d.model_input.to_ints() + [int(d.loss_fn_inputs["target_tokens"].data[-1])],
+                logprobs=[-3.0 + 0.1 * k for k in range(d.model_input.length)],
+                advantages=[0.0, 0.0] + [(-1.0) ** k for k in range(d.model_input.length - 2)]) for d in data]
+    cases = [("cross_entropy", data, None), ("importance_sampling", rl, None),
+             ("ppo", rl, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), ("cispo", rl, None),
+             ("dro", rl, {"beta": 0.05})]
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        digest = arctic.state_digest()
+        for name, batch, config in cases:
+            forward = tc.forward(batch, name, config).result().metrics["loss:sum"]
+            backward = tc.forward_backward(batch, name, config).result().metrics["loss:sum"]
+            assert forward == pytest.approx(backward, rel=1e-5, abs=1e-6), name
+    # Finishing the session dropped the gradients it never stepped: the weights and optimizer are as they were.
+    assert arctic.state_digest() == digest
+
+
+def documented(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
+    """Tinker's losses as tinker-cookbook's docs/losses.mdx writes them (summed over positions)."""
+    if name == "cross_entropy":
+        return (-logp * inputs["weights"]).sum()
+    ratio = torch.exp(logp - inputs["logprobs"])
+    advantages = inputs["advantages"]
+    if name == "importance_sampling":
+        return -(ratio * advantages).sum()
+    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    clipped = torch.clamp(ratio, low, high)
+    if name == "ppo":
+        return -torch.min(ratio * advantages, clipped * advantages).sum()
+    if name == "cispo":
+        return -(clipped.detach() * logp * advantages).sum()
+    if name == "dro":
+        return -(logp * advantages - 0.5 * config["beta"] * (logp - inputs["logprobs"]) ** 2).sum()
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name, config", [
+    ("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}),
+    ("ppo", {"clip_low_threshold": 0.7, "clip_high_threshold": 1.4}), ("cispo", {}),
+    ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 1.3}), ("dro", {"beta": 0.05})])
+def test_each_tinker_loss_is_its_documented_definition(name, config):
+    """Value and gradient of the registry loss a Tinker loss maps to, against the documented formula, on ratios
+    that fall below, inside and above the clip range and on advantages (weights) of both signs."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [7, 3, 12]
+    logp = -torch.rand(sum(lengths), generator=gen, dtype=torch.float64).float() * 4
+    # The sampler's log-probs: the ratio exp(logp - q) spreads over [0.55, 1.8].
+    inputs = {"logprobs": (logp + torch.empty_like(logp).uniform_(-0.6, 0.6, generator=gen)).clamp(max=0),
+              "advantages": torch.randn(logp.shape, generator=gen),
+              "weights": torch.randn(logp.shape, generator=gen)}
+    keys = ["weights"] if name == "cross_entropy" else ["logprobs", "advantages"]
+    sequences, arrays, start = [], [], 0
+    for n in lengths:
+        sequences.append(Sequence(prompt_ids=[1], response_ids=list(range(2, 2 + n))))
+        arrays.append({key: inputs[key][start : start + n].numpy() for key in keys})
+        start += n
+    spec = loss_spec(name, {k: float(v) for k, v in config.items()})
+    entry = load_plugins().losses.get(spec.name, "loss")
+    ours_logp = logp.clone().requires_grad_()
+    ours, _ = entry.fn({"logprobs": ours_logp}, batch_loss_inputs(with_loss_inputs(name, sequences, arrays), 0),
+                       entry.parse_config(spec.config, "config"))
+    ours.backward()
+    theirs_logp = logp.clone().requires_grad_()
+    theirs = documented(name, theirs_logp, inputs, config)
+    theirs.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-6)
+    assert torch.allclose(ours_logp.grad, theirs_logp.grad, rtol=1e-5, atol=1e-6)
+    if name in ("ppo", "cispo"):  # the clip was exercised on both sides
+        ratio = torch.exp(logp - inputs["logprobs"])
+        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+        assert (ratio < low).any() or low == 0.0
+        assert (ratio > high).any() and ((ratio > low) & (ratio < high)).any()
+
+
+def test_sampling_follows_the_saved_weights_and_refuses_replaced_ones(server, arctic):
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = [11, 12, 13, 14]
+        result = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4,
+                                sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0)).result()
+        assert len(result.sequences) == 4
+        # An RL step on them: the sampler's log-probs are the trainer's for the same weights.
+        data = [datum(prompt + list(s.tokens), logprobs=[0.0] * (len(prompt) - 1) + list(s.logprobs),
+                      advantages=[0.0] * (len(prompt) - 1) + [a] * len(s.tokens))
+                for s, a in zip(result.sequences, (1.0, -1.0, 0.5, -0.5))]
+        out = tc.forward_backward(data, "importance_sampling").result()
+        for row, s in zip(out.loss_fn_outputs, result.sequences):
+            assert np.allclose(row["logprobs"].to_numpy()[len(prompt) - 1 :], s.logprobs, atol=1e-4)
+        prompt_logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + list(result.sequences[0].tokens))).result()
+        assert prompt_logprobs[0] is None
+        assert np.allclose(prompt_logprobs[len(prompt):], result.sequences[0].logprobs, atol=1e-4)
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        fresh = tc.save_weights_and_get_sampling_client().result()
+        # The first sampler's weights were replaced: refused by name, never sampled from the new ones.
+        with pytest.raises(tinker.RequestFailedError, match="sampling_session_id: its weights"):
+            sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
+                           sampling_params=types.SamplingParams(max_tokens=2)).result()
+        assert len(fresh.sample(types.ModelInput.from_ints(prompt), num_samples=2,
+                                sampling_params=types.SamplingParams(max_tokens=2)).result().sequences) == 2
+
+
+def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
+    data = sft_data()
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        digest = arctic.state_digest()
+        with pytest.raises(tinker.BadRequestError, match="loss_fn.*'gspo' is not supported"):
+            tc.forward_backward(data, "gspo").result()
+        shifted = types.Datum(model_input=types.ModelInput.from_ints([11, 12, 13]),
+                              loss_fn_inputs={"target_tokens": [12, 99, 14], "weights": [1.0, 1.0, 1.0]})
+        with pytest.raises(tinker.BadRequestError, match=r"data\[1\].loss_fn_inputs.target_tokens\[1\]"):
+            tc.forward_backward([data[0], shifted], "cross_entropy").result()
+        with pytest.raises(tinker.BadRequestError, match=r"data\[0\].loss_fn_inputs.logprobs.*required by ppo"):
+            tc.forward_backward(data[:1], "ppo").result()
+        with pytest.raises(tinker.BadRequestError, match="loss_fn_config.clip_low_threshold"):
+            tc.forward_backward(data[:1], "ppo", {"clip_low_threshold": 1.5}).result()
+        with pytest.raises(tinker.BadRequestError, match="adam_params.beta2"):
+            tc.optim_step(types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)).result()
+        assert arctic.state_digest() == digest
+        # The refused calls took their seq_id turns: the next call runs (it waited for none of them).
+        assert tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+        # A second tenant cannot take the model while this one trains it.
+        with service(server) as other:
+            with pytest.raises(tinker.BadRequestError, match="another session trains"):
+                other.create_lora_training_client(base_model=MODEL, rank=32).result()
+    with service(server) as sc:
+        with pytest.raises(tinker.BadRequestError, match="base_model"):
+            sc.create_lora_training_client(base_model="other/model", rank=32).result()
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32)  # free again
+        tc.forward_backward(data, "cross_entropy").result()
+
+
+def test_state_saved_and_loaded_through_tinker_paths(server, arctic):
+    data = sft_data()
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        saved = tc.save_state("after-one").result().path
+        digest = arctic.state_digest()
+        assert saved.startswith("tinker://") and saved.endswith("/weights/after-one")
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        assert arctic.state_digest() != digest
+        with pytest.raises(tinker.BadRequestError, match="optimizer"):
+            tc.load_state(saved).result()
+        tc.load_state_with_optimizer(saved).result()
+        assert arctic.state_digest() == digest
+        with pytest.raises(tinker.BadRequestError, match="path"):
+            tc.save_state("../escape").result()
+    # A new session resumes from it (the cookbook's resume path).
+    with service(server) as sc:
+        tc = sc.create_training_client_from_state_with_optimizer(saved).result()
+        assert arctic.state_digest() == digest
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+
+
+def test_the_server_token_is_the_sdks_api_key(tiny_model, tmp_path):
+    config = BackendConfig.model_validate({"model_path": tiny_model, "engine": ENGINE, "sampler": LIGHT_SAMPLER})
+    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, tinker_full_parameter=True,
+                              token="tml-s3cret", checkpoint_dir=str(tmp_path))
+    with ServerThread(settings, config) as url:
+        with service(url, "tml-s3cret") as sc:
+            sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        with pytest.raises(tinker.AuthenticationError):
+            with service(url, "tml-wrong") as sc:
+                sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+
+
+def test_a_lora_client_is_refused_on_a_full_parameter_job_unless_the_server_allows_it(tiny_model, tmp_path):
+    config = BackendConfig.model_validate({"model_path": tiny_model, "engine": ENGINE, "sampler": LIGHT_SAMPLER})
+    with ServerThread(ServerSettings(port=free_loopback_port(), served_model_name=MODEL,
+                                     checkpoint_dir=str(tmp_path)), config) as url:
+        with service(url) as sc:
+            with pytest.raises(tinker.BadRequestError, match="lora_config.rank.*--tinker-full-parameter"):
+                sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+
+
+def test_calls_start_in_seq_id_order_whatever_order_they_arrive_in():
+    started = []
+    order = SeqOrder()
+    for seq in (3, 2):
+        order.admit(seq, lambda seq=seq: started.append(seq))
+    assert started == []  # 1 has not arrived
+    order.admit(1, lambda: started.append(1))
+    assert started == [1, 2, 3]
+    with pytest.raises(InvalidRequest, match="seq_id"):
+        order.admit(2, lambda: None)
