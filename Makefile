@@ -53,7 +53,7 @@ test-portable: install
 # Compatibility tests against the real frameworks, each in its own environment (compat_tests/): two lanes at
 # once (each suite leaves one core mostly idle), verl in one, PrimeRL then SkyRL in the other.
 compat: install
-	compat_tests/lanes.sh "verl" "primerl skyrl"
+	compat_tests/lanes.sh "verl" "primerl skyrl tinker"
 
 # The frameworks' own environments alone (downloads and unpacking, nothing of Arctic RL's): CI builds them
 # beside `make test` and `make scenarios`; `make compat` builds any that is missing.
@@ -61,6 +61,7 @@ compat-dependencies:
 	compat_tests/verl/dependencies.sh
 	compat_tests/primerl/dependencies.sh
 	compat_tests/skyrl/dependencies.sh
+	compat_tests/tinker/dependencies.sh
 
 # verl's phases through Arctic RL beside the backend's own calls (docs/benchmarks.md); not part of CI.
 bench-verl: install

@@ -36,6 +36,8 @@ from arctic_rl_core.validation import parse
 
 PREFIX = "/api/v1"
 MAX_SESSIONS = 256
+SESSION_TIMEOUT_S = 60.0
+"""A session not heard from for this long (the SDK heartbeats every 10 s) no longer holds the job's model."""
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _TINKER_PATH = re.compile(r"^tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
 # Arctic RL field names in a backend refusal, as the Tinker request spells them.
@@ -204,11 +206,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         await read_json(request)
         session(session_id)
         if state.model is not None and state.model.session_id == session_id:
-            # The job's weights stay; gradients the tenant accumulated and never stepped go with it.
-            state.model = None
-            api = job.api
-            if api is not None:
-                await asyncio.wrap_future(job.ordered.submit(api.discard_gradients))
+            await asyncio.wrap_future(release(job.api))
         for key in [k for k, s in state.samplers.items() if s.session_id == session_id]:
             del state.samplers[key]
         del state.sessions[session_id]
@@ -225,6 +223,12 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                                       "trainable": True, "sampleable": True}]}
 
     # -- models -------------------------------------------------------------------------------------------
+
+    def release(api):
+        """The tenant leaves: the job's weights stay, the gradients it accumulated and never stepped go with it (on
+        the ordered worker, before any call of the next tenant)."""
+        state.model = None
+        return job.ordered.submit(api.discard_gradients)
 
     def lora_rank(api) -> int | None:
         lora = api.config.engine.lora
@@ -246,8 +250,12 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         if optimizer != "adamw":
             raise InvalidRequest("optimizer_config.type", f"{optimizer!r}: this server's optimizer is AdamW")
         if state.model is not None and state.model.session_id != session_id:
-            raise InvalidRequest("base_model", "another session trains this job's model; one tenant at a time "
-                                 "(it frees the model when its session finishes)")
+            idle = time.time() - state.sessions.get(state.model.session_id, 0.0)
+            if idle < SESSION_TIMEOUT_S:
+                raise InvalidRequest("base_model", "another session trains this job's model; one tenant at a time (it "
+                                     f"frees the model when its session finishes, or {SESSION_TIMEOUT_S:.0f} s after "
+                                     "its last heartbeat)")
+            release(api)
         seq = body.get("model_seq_id", 0)
         state.model = TinkerModel(f"{session_id}:train:{seq}", session_id)
         return state.model
@@ -477,8 +485,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         max_tokens = params.pop("max_tokens", None)
         if max_tokens is None:
             max_tokens = min(max(api.sampler.max_context - len(prompt), 1), limits.max_tokens)
-        stops = {} if stop is None else {"stop": [stop]} if isinstance(stop, str) else (
-            {"stop_token_ids": stop} if stop and all(isinstance(s, int) for s in stop) else {"stop": stop})
+        # Tinker's stop: strings or token ids; an empty list stops on nothing, not even the end-of-sequence token.
+        stops = ({} if stop is None else {"stop": [stop]} if isinstance(stop, str) else {"ignore_eos": True}
+                 if stop == [] else {"stop_token_ids": stop} if all(isinstance(s, int) for s in stop) else {"stop": stop})
         with_prompt = bool(body.get("prompt_logprobs"))
         sampling = parse(SamplingParams, {**params, **stops, "n": num_samples, "max_tokens": max_tokens,
                                           "top_k": max(top_k, 0), "prompt_logprobs": 0 if with_prompt else None},

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Tinker's side in a virtual environment of its own, built once (a stamp marks it done): the `tinker` SDK and
+# tinker-cookbook from the package index, unmodified, with the local CPU torch. Nothing of Arctic RL's goes in: the
+# SDK is the client. tinker-cookbook 0.6.x needs tml-renderers>=0.4.1, which the index does not have; 0.5.8 is the
+# newest that installs (it takes the same SDK). Run from the repository root, by run.sh and by
+# `make compat-dependencies`.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=.cache/compat-tinker-venv
+STAMP=$VENV/.installed-tinker-0.38.0-cookbook-0.5.8
+if [ ! -f "$STAMP" ]; then
+  rm -rf "$VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install --quiet --upgrade "pip==24.3.1"
+  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" "tinker==0.38.0" "tinker-cookbook==0.5.8" "pytest==9.2.0"
+  touch "$STAMP"
+fi
