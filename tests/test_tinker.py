@@ -278,3 +278,20 @@ def test_calls_start_in_seq_id_order_whatever_order_they_arrive_in():
     assert started == [1, 2, 3]
     with pytest.raises(InvalidRequest, match="seq_id"):
         order.admit(2, lambda: None)
+
+
+def test_a_lora_job_trains_its_adapters_at_its_own_rank(tiny_model, tmp_path):
+    config = BackendConfig.model_validate({"model_path": tiny_model, "engine": {**ENGINE, "lora": {"r": 8}},
+                                           "sampler": LIGHT_SAMPLER})
+    with ServerThread(ServerSettings(port=free_loopback_port(), served_model_name=MODEL,
+                                     checkpoint_dir=str(tmp_path)), config) as url:
+        with service(url) as sc:
+            with pytest.raises(tinker.BadRequestError, match="lora_config.rank.*rank 8, not 32"):
+                sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+            tc = sc.create_lora_training_client(base_model=MODEL, rank=8).result()
+            assert tc.get_info().is_lora and tc.get_info().lora_rank == 8
+            losses = []
+            for _ in range(3):
+                losses.append(tc.forward_backward(sft_data(), "cross_entropy").result().metrics["loss:sum"])
+                tc.optim_step(types.AdamParams(learning_rate=5e-2, **ADAM)).result()
+            assert losses[-1] < losses[0], losses

@@ -56,11 +56,11 @@ class FutureTable:
 class SeqOrder:
     """Starts a model's calls in `seq_id` order: a call waits for the ones numbered before it to start."""
 
-    def __init__(self, first: int = 1, max_waiting: int = 256):
-        self.next, self.max_waiting = first, max_waiting
+    def __init__(self, first: int = 1, max_waiting: int = 256, max_remembered: int = 1024):
+        self.next, self.max_waiting, self.max_remembered = first, max_waiting, max_remembered
         self._waiting: dict[int, Callable[[], None]] = {}
         self.issued: dict[int, str] = {}
-        """seq_id -> request id: a call sent twice (the SDK's retries) is the same request."""
+        """seq_id -> request id of the last `max_remembered` calls: a call sent twice (the SDK's retries) is one."""
 
     def admit(self, seq_id: int, start: Callable[[], None]) -> None:
         if seq_id < self.next:
@@ -70,6 +70,7 @@ class SeqOrder:
         self._waiting[seq_id] = start
         while self.next in self._waiting:
             self._waiting.pop(self.next)()
+            self.issued.pop(self.next - self.max_remembered, None)
             self.next += 1
 
     def skip(self, seq_id: object) -> None:

@@ -36,6 +36,7 @@ from arctic_rl_core.validation import parse
 
 PREFIX = "/api/v1"
 MAX_SESSIONS = 256
+MAX_SAMPLERS = 1024
 SESSION_TIMEOUT_S = 60.0
 """A session not heard from for this long (the SDK heartbeats every 10 s) no longer holds the job's model."""
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -108,28 +109,33 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         session(model.session_id)
         return model
 
-    def resolve(outcome: asyncio.Future, done: asyncio.Future) -> None:
-        if done.exception() is not None:
-            outcome.set_exception(done.exception())
-        else:
-            outcome.set_result(done.result())
+    def resolve(outcome: asyncio.Future, done: asyncio.Future, settle: Callable[[Any], Any] | None = None) -> None:
+        """`outcome` takes `done`'s result (through `settle`, on the event loop, once) or its failure."""
+        try:
+            result = done.result()
+            outcome.set_result(settle(result) if settle is not None else result)
+        except Exception as err:  # the call's failure, or settle's, is the future's answer
+            outcome.set_exception(err)
 
-    def deferred(encode: Callable[[Any], Any], work: Callable[[], Any]) -> tuple[str, Callable[[], None]]:
+    def deferred(encode: Callable[[Any], Any], work: Callable[[], Any],
+                 settle: Callable[[Any], Any] | None = None) -> tuple[str, Callable[[], None]]:
         """A request id now, and `start()`, which runs `work` on the job's ordered worker; its result is encoded
         when retrieved."""
         request_id, outcome = state.futures.add(encode)
 
         def start():
-            asyncio.wrap_future(job.ordered.submit(work)).add_done_callback(lambda done: resolve(outcome, done))
+            running = asyncio.wrap_future(job.ordered.submit(work))
+            running.add_done_callback(lambda done: resolve(outcome, done, settle))
         return request_id, start
 
-    def ordered(model: TinkerModel, seq_id: Any, encode, work) -> dict:
-        """A training call in its seq_id turn on the job's ordered worker; the same seq_id sent again is one call."""
+    def ordered(model: TinkerModel, seq_id: Any, encode, work, settle: Callable[[Any], Any] | None = None) -> dict:
+        """A training call in its seq_id turn on the job's ordered worker; the same seq_id sent again is one call.
+        `settle(result)` records what the call changed in the routes' state, on the event loop."""
         if not isinstance(seq_id, int):
             raise InvalidRequest("seq_id", "must be an integer")
         if seq_id in model.order.issued:
             return {"request_id": model.order.issued[seq_id], "model_id": model.model_id}
-        request_id, start = deferred(encode, work)
+        request_id, start = deferred(encode, work, settle)
         model.order.admit(seq_id, start)
         model.order.issued[seq_id] = request_id
         return {"request_id": request_id, "model_id": model.model_id}
@@ -373,6 +379,8 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     def new_sampler(session_id: str, version: int, path: str | None) -> str:
         sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:12]}"
         state.samplers[sampler_id] = Sampler(session_id, version, path)
+        while len(state.samplers) > MAX_SAMPLERS:  # an RL run makes one per step: the oldest go
+            del state.samplers[next(iter(state.samplers))]
         return sampler_id
 
     @training_call("save_weights_for_sampler")
@@ -382,18 +390,15 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         if name is not None:
             checkpoint_dir(model.model_id, name)  # the name is checked now: the call fails before it runs
 
-        def work():
-            return api.sync_weights()
-
-        def encode(version: int):
+        def settle(version: int) -> dict:
             path = f"tinker://{model.model_id}/sampler_weights/{name if name is not None else f'v{version}'}"
             state.sampler_paths[path] = version
             answer = {"type": "save_weights_for_sampler", "path": path}
             if name is None:  # the SDK's ephemeral save: it samples through the session made here
                 answer["sampling_session_id"] = new_sampler(model.session_id, version, path)
-            return JSONResponse(answer)
+            return answer
 
-        return ordered(model, body.get("seq_id"), encode, work)
+        return ordered(model, body.get("seq_id"), JSONResponse, api.sync_weights, settle)
 
     @training_call("save_weights")
     def save_weights(body: dict) -> dict:
