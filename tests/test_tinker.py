@@ -180,6 +180,17 @@ def test_sampling_follows_the_saved_weights_and_refuses_replaced_ones(server, ar
         prompt_logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + list(result.sequences[0].tokens))).result()
         assert prompt_logprobs[0] is None
         assert np.allclose(prompt_logprobs[len(prompt):], result.sequences[0].logprobs, atol=1e-4)
+        # The k most likely tokens at each position, most likely first: a greedy sample's tokens head their rows, and
+        # so do they as a prompt.
+        greedy = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1, topk_sample_logprobs=3,
+                                sampling_params=types.SamplingParams(max_tokens=5, temperature=0.0)).result().sequences[0]
+        scored = sampler.sample(types.ModelInput.from_ints(prompt + list(greedy.tokens)), num_samples=1,
+                                include_prompt_logprobs=True, topk_prompt_logprobs=2,
+                                sampling_params=types.SamplingParams(max_tokens=1)).result()
+        assert scored.topk_prompt_logprobs[0] is None and len(scored.topk_prompt_logprobs) == len(prompt) + 5
+        for rows in (greedy.topk_logprobs, scored.topk_prompt_logprobs[len(prompt):]):
+            for row, token, logprob in zip(rows, greedy.tokens, greedy.logprobs):
+                assert row[0][0] == token and abs(row[0][1] - logprob) < 1e-4 and row[1][1] <= row[0][1]
         tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
         fresh = tc.save_weights_and_get_sampling_client().result()
         # The first sampler's weights were replaced: refused by name, never sampled from the new ones.

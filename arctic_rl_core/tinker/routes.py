@@ -31,7 +31,7 @@ from arctic_rl_core.server.security import confine
 from arctic_rl_core.tinker import wire
 from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
 from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
-from arctic_rl_core.types import LossSpec, SamplingParams, Sequence
+from arctic_rl_core.types import MAX_TOP_LOGPROBS, LossSpec, SamplingParams, Sequence
 from arctic_rl_core.validation import parse
 
 PREFIX = "/api/v1"
@@ -474,9 +474,13 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         if sampler is None:
             raise NotFound("sampling_session_id", f"no sampling session {body.get('sampling_session_id')!r}")
         session(sampler.session_id)
-        for key in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-            if body.get(key):
-                raise InvalidRequest(key, "top-k log-probs are not supported by this server")
+        topk = {}
+        for key in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+            topk[key] = body.get(key) or 0
+            if not isinstance(topk[key], int) or not 0 <= topk[key] <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(key, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if body.get("prompt_alt_tokens_k"):
+            raise InvalidRequest("prompt_alt_tokens_k", "is not supported by this server")
         for key in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
             if body.get(key) is not None:
                 raise InvalidRequest(key, "is not supported by this server")
@@ -494,8 +498,10 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         stops = ({} if stop is None else {"stop": [stop]} if isinstance(stop, str) else {"ignore_eos": True}
                  if stop == [] else {"stop_token_ids": stop} if all(isinstance(s, int) for s in stop) else {"stop": stop})
         with_prompt = bool(body.get("prompt_logprobs"))
+        scored = with_prompt or topk["topk_prompt_logprobs"] > 0
         sampling = parse(SamplingParams, {**params, **stops, "n": num_samples, "max_tokens": max_tokens,
-                                          "top_k": max(top_k, 0), "prompt_logprobs": 0 if with_prompt else None},
+                                          "top_k": max(top_k, 0), "logprobs": topk["topk_sample_logprobs"],
+                                          "prompt_logprobs": topk["topk_prompt_logprobs"] if scored else None},
                          "sampling_params")
         try:
             limits.check("generate", SimpleNamespace(prompts=[prompt], sampling=sampling))
@@ -512,11 +518,11 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             stale = [c.weight_version for c in completions if c.weight_version != sampler.weight_version]
             if stale:
                 raise InvalidRequest("sampling_session_id", f"a weight sync (version {stale[0]}) crossed this sample")
-            logprobs = [lp for _, lp in (row[0] for row in completions[0].prompt_logprobs)] if with_prompt else None
-            return completions, logprobs
+            return completions
 
-        request_id, outcome = state.futures.add(
-            lambda result: Response(wire.sample_response(*result), media_type=wire.MEDIA_TYPE))
+        request_id, outcome = state.futures.add(lambda completions: Response(
+            wire.sample_response(completions, with_prompt, topk["topk_prompt_logprobs"], topk["topk_sample_logprobs"]),
+            media_type=wire.MEDIA_TYPE))
         asyncio.ensure_future(work()).add_done_callback(lambda done: resolve(outcome, done))
         return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(sampling.n)]}
 

@@ -117,13 +117,33 @@ def forward_backward_output(logprobs: list[list[float]], metrics: dict[str, floa
                                     metrics=metrics).SerializeToString()
 
 
-def sample_response(completions: list[Completion], prompt_logprobs: list[float] | None) -> bytes:
-    """Sampled sequences with their log-probs; with `prompt_logprobs`, NaN for the first prompt token."""
+def sample_response(completions: list[Completion], prompt_logprobs: bool, topk_prompt: int, topk_sampled: int) -> bytes:
+    """Sampled sequences with their log-probs (and their k most likely tokens with `topk_sampled`). With
+    `prompt_logprobs` (`topk_prompt`), the prompt's own log-probs (k most likely) from the first completion's
+    scoring, the first token's NaN (empty)."""
     message = pb.SampleResponse(sequences=[
         pb.SampledSequence(stop_reason=pb.STOP_REASON_STOP if c.finish_reason == "stop" else pb.STOP_REASON_LENGTH,
                            tokens=np.asarray(c.token_ids, dtype="<i4").tobytes(),
-                           logprobs=np.asarray(c.logprobs, dtype="<f4").tobytes())
+                           logprobs=np.asarray(c.logprobs, dtype="<f4").tobytes(),
+                           topk_sampled_logprobs=_topk(c.top_logprobs, topk_sampled) if topk_sampled else None)
         for c in completions])
-    if prompt_logprobs is not None:
-        message.prompt_logprobs = np.asarray([np.nan, *prompt_logprobs], dtype="<f4").tobytes()
+    scored = completions[0].prompt_logprobs or []
+    if prompt_logprobs:
+        message.prompt_logprobs = np.asarray([np.nan, *(row[0][1] for row in scored)], dtype="<f4").tobytes()
+    if topk_prompt:
+        message.topk_prompt_logprobs.CopyFrom(_topk([[]] + [row[1:] for row in scored], topk_prompt))
     return message.SerializeToString()
+
+
+# Tinker's empty cell of a top-k matrix.
+_MASK_ID, _MASK_LOGPROB = 0, -99999.0
+
+
+def _topk(rows: list[list[tuple[int, float]]], k: int) -> pb.TopkLogprobs:
+    """Rows of (token id, log-prob) pairs as Tinker's (length, k) matrices, short rows filled with the mask."""
+    ids = np.full((len(rows), k), _MASK_ID, dtype="<i4")
+    logprobs = np.full((len(rows), k), _MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row[:k]):
+            ids[i, j], logprobs[i, j] = token, logprob
+    return pb.TopkLogprobs(token_ids=ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))
