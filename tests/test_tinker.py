@@ -250,6 +250,8 @@ def test_state_saved_and_loaded_through_tinker_paths(server, arctic):
         assert arctic.state_digest() == digest
         with pytest.raises(tinker.BadRequestError, match="path"):
             tc.save_state("../escape").result()
+        with pytest.raises(tinker.BadRequestError, match="path"):
+            tc.load_state_with_optimizer("tinker://../weights/after-one").result()
     # A new session resumes from it (the cookbook's resume path).
     with service(server) as sc:
         tc = sc.create_training_client_from_state_with_optimizer(saved).result()

@@ -40,7 +40,7 @@ MAX_SAMPLERS = 1024
 SESSION_TIMEOUT_S = 60.0
 """A session not heard from for this long (the SDK heartbeats every 10 s) no longer holds the job's model."""
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-_TINKER_PATH = re.compile(r"^tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
+_TINKER_PATH = re.compile(r"^tinker://(?P<model>[0-9a-f]+:train:[0-9]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
 # Arctic RL field names in a backend refusal, as the Tinker request spells them.
 _FIELD_NAMES = {"advantages": "loss_fn_inputs.advantages", "behaviour_logprobs": "loss_fn_inputs.logprobs",
                 "prompt_ids": "model_input", "response_ids": "model_input"}
