@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-tinker = pytest.importorskip("tinker", reason="the `tinker` extra (make install) provides the Tinker routes")
+import tinker  # noqa: E402  (the `tinker` extra, which make install installs: the Tinker routes need it)
 from tinker import types  # noqa: E402
 
 from arctic_rl_core.batching import batch_loss_inputs  # noqa: E402
