@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.errors import InvalidRequest, NotFound
 from arctic_rl_core.types import Completion, Episode, Turn, token_list
 
 
-class UnknownSession(InvalidRequest):
+class UnknownSession(NotFound):
     """The session was never recorded, or was released or evicted (HTTP 404)."""
 
 

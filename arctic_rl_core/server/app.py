@@ -33,8 +33,7 @@ from arctic_rl_core.server.buffers import BufferPool
 from arctic_rl_core.server.idempotency import RequestIdConflict, RequestLog
 from arctic_rl_core.server.limits import OverLimit, RequestLimits
 from arctic_rl_core.server.security import GuardMiddleware, confine, error_body
-from arctic_rl_core.serving.routes import ModelNotFound, Serving, add_serving_routes
-from arctic_rl_core.trajectories import UnknownSession
+from arctic_rl_core.serving.routes import Serving, add_serving_routes
 from arctic_rl_core.validation import parse
 
 log = logging.getLogger("arctic_rl.server")
@@ -209,7 +208,7 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request, exc: InvalidRequest):
-        if isinstance(exc, (ModelNotFound, UnknownSession, NotFound)):
+        if isinstance(exc, NotFound):
             return _error(404, exc)
         if isinstance(exc, (RequestTooLarge, OverLimit)):
             return _error(413, exc)

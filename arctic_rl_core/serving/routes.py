@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from arctic_rl_core.errors import ArcticRLError, InvalidRequest
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest, NotFound
 from arctic_rl_core.serving.coalesce import Coalescer
 from arctic_rl_core.serving.pause import Aborted, PauseGate, PauseMode
 from arctic_rl_core.serving.protocol import (
@@ -43,7 +43,7 @@ from arctic_rl_core.types import SESSION_ID_CHARS, Completion, GenerateRequest, 
 SESSION_HEADER = "x-session-id"
 
 
-class ModelNotFound(InvalidRequest):
+class ModelNotFound(NotFound):
     """The request names a model this server does not serve (HTTP 404)."""
 
 
