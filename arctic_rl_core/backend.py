@@ -390,6 +390,26 @@ class InProcessBackend(TrainingAPI):
         self.learning_rate = lr
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
 
+    def park_policy(self, path: str) -> list[tuple]:
+        """Take the policy's training state out of the engine: its trainable weights and optimizer state are
+        written to `path` (a LoRA job's frozen base is not), its gradients dropped and returned as the fwd_bwd
+        calls that made them. `resume_policy(path, calls)` puts back exactly this state, so one engine can
+        time-share several (Tinker's tenants)."""
+        with self._train_lock:
+            calls, self._accumulated = self._accumulated, []
+            self.engine.discard_gradients()
+            self.engine.save(path, {}, trainable_only=True)
+            return calls
+
+    def resume_policy(self, path: str, calls: list[tuple]) -> None:
+        """The state `park_policy` wrote to `path`, its gradients rebuilt by running `calls` again (the same
+        deterministic computation, in the same order)."""
+        with self._train_lock, self._weights_lock:
+            self.engine.load(path, trainable_only=True)
+            for call in calls:
+                self.engine.forward_backward(*call)
+            self._accumulated = list(calls)
+
     def sync_weights(self) -> int:
         # A sampler that crosses syncs takes the weights between two engine steps, generate calls in flight going
         # on under them; another one's calls are waited for.

@@ -36,6 +36,10 @@ class NotFound(InvalidRequest):
     """What the request names does not exist, or is not the caller's to see (HTTP 404)."""
 
 
+class Unauthorized(InvalidRequest):
+    """The request's credentials are missing or unknown (HTTP 401)."""
+
+
 class UnknownName(InvalidRequest):
     """A loss, post-processor, engine or sampler name that no plugin provides."""
 

@@ -63,11 +63,13 @@ class TrainingEngine(ABC):
         """Full (gathered, LoRA-merged) weights under the base model's parameter names."""
 
     @abstractmethod
-    def save(self, path: str, client_state: dict) -> None: ...
+    def save(self, path: str, client_state: dict, trainable_only: bool = False) -> None:
+        """Model and optimizer state; `trainable_only` leaves out frozen weights (a LoRA job's base model)."""
 
     @abstractmethod
-    def load(self, path: str) -> dict:
-        """Restore model and optimizer; return the client state saved with them."""
+    def load(self, path: str, trainable_only: bool = False) -> dict:
+        """Restore model and optimizer; return the client state saved with them. `trainable_only`: the checkpoint
+        holds only the trainable weights, and the frozen ones stay as they are."""
 
     @abstractmethod
     def state_digest(self) -> str:

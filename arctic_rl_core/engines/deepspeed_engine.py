@@ -325,14 +325,17 @@ class DeepSpeedEngine(TrainingEngine):
                 with self._gathered([param]):
                     yield name, param.detach().clone() if copy else param.detach()
 
-    def save(self, path: str, client_state: dict) -> None:
-        self.engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state={**client_state, "steps": self._steps})
+    def save(self, path: str, client_state: dict, trainable_only: bool = False) -> None:
+        self.engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state={**client_state, "steps": self._steps},
+                                    exclude_frozen_parameters=trainable_only)
 
-    def load(self, path: str) -> dict:
+    def load(self, path: str, trainable_only: bool = False) -> dict:
         shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._trainable}
         preflight(os.path.join(path, _CHECKPOINT_TAG), shapes)
         self.discard_gradients()
-        _, client_state = self.engine.load_checkpoint(path, tag=_CHECKPOINT_TAG, load_optimizer_states=True)
+        # A trainable-only checkpoint lacks the frozen weights, which stay as they are.
+        _, client_state = self.engine.load_checkpoint(path, tag=_CHECKPOINT_TAG, load_optimizer_states=True,
+                                                      load_module_strict=not trainable_only)
         self.engine.set_gradient_accumulation_boundary(False)
         self._steps = int(client_state.get("steps", 0))
         return client_state

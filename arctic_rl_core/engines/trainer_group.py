@@ -123,11 +123,11 @@ class TrainerRank:
             raise ArcticRLError(f"sync_weights: broadcasting to the sampler replicas failed: {failure}")
         return count
 
-    def save(self, path: str, client_state: dict) -> None:
-        self.engine.save(path, client_state)
+    def save(self, path: str, client_state: dict, trainable_only: bool = False) -> None:
+        self.engine.save(path, client_state, trainable_only)
 
-    def load(self, path: str) -> dict:
-        return self.engine.load(path)
+    def load(self, path: str, trainable_only: bool = False) -> dict:
+        return self.engine.load(path, trainable_only)
 
     def state_digest(self) -> str:
         return self.engine.state_digest()
@@ -300,11 +300,11 @@ class TrainerGroup(TrainingEngine):
     def named_full_weights(self) -> "RankZeroWeights":
         return RankZeroWeights(self)
 
-    def save(self, path: str, client_state: dict) -> None:
-        self._all("save", path, client_state)
+    def save(self, path: str, client_state: dict, trainable_only: bool = False) -> None:
+        self._all("save", path, client_state, trainable_only)
 
-    def load(self, path: str) -> dict:
-        return self._all("load", path)[0]
+    def load(self, path: str, trainable_only: bool = False) -> dict:
+        return self._all("load", path, trainable_only)[0]
 
     def state_digest(self) -> str:
         return hashlib.sha256("".join(self._all("state_digest")).encode()).hexdigest()

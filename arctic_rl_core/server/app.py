@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from arctic_rl_core import wire
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.config import BackendConfig
-from arctic_rl_core.errors import ArcticRLError, InvalidRequest, NotFound, field_path
+from arctic_rl_core.errors import ArcticRLError, InvalidRequest, NotFound, Unauthorized, field_path
 from arctic_rl_core.patches import applied as applied_patches
 from arctic_rl_core.calls import API_PREFIX, CALLS, REQUEST_ID_HEADER, Call, CheckpointRequest
 from arctic_rl_core.server.buffers import BufferPool
@@ -62,6 +62,11 @@ class ServerSettings:
     """`hermes`: chat replies' tool-call blocks are returned as `tool_calls` (vLLM's --tool-call-parser)."""
     tinker_full_parameter: bool = False
     """The Tinker routes train all parameters of a job without LoRA for a client that asks for LoRA."""
+    tinker_tenants: int = 1
+    """Tinker models training at once, time-sharing the engine (1: one at a time, on the job's policy itself)."""
+    tinker_keys: dict[str, str] | None = None
+    """Tinker tenants' API keys (name -> key): only these are taken on the Tinker routes, each its own tenant, and
+    they pass the server's guard there in place of its token."""
 
     temporary_checkpoint_dir: bool = field(default=False, init=False, repr=False)
     """No directory was given: checkpoints go to a fresh temporary one, removed at shutdown if still empty."""
@@ -204,12 +209,15 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
     def read(request: Request) -> Body:
         return Body(request, settings.max_request_bytes, job.buffers, settings.body_timeout_s)
     app.state.job, app.state.settings = job, settings
-    app.add_middleware(GuardMiddleware, token=settings.token, max_request_bytes=settings.max_request_bytes)
+    app.add_middleware(GuardMiddleware, token=settings.token, max_request_bytes=settings.max_request_bytes,
+                       tinker_keys=tuple((settings.tinker_keys or {}).values()))
 
     @app.exception_handler(InvalidRequest)
     async def invalid(request, exc: InvalidRequest):
         if isinstance(exc, NotFound):
             return _error(404, exc)
+        if isinstance(exc, Unauthorized):
+            return _error(401, exc)
         if isinstance(exc, (RequestTooLarge, OverLimit)):
             return _error(413, exc)
         if isinstance(exc, BodyTimeout):
@@ -359,7 +367,9 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
     except ImportError:  # the `tinker` extra is not installed: no Tinker routes
         pass
     else:
-        add_tinker_routes(app, TinkerState(full_parameter=settings.tinker_full_parameter), job, api_of, serving,
+        tinker = TinkerState(full_parameter=settings.tinker_full_parameter, max_models=settings.tinker_tenants,
+                             keys=settings.tinker_keys)
+        add_tinker_routes(app, tinker, job, api_of, serving,
                           read_json, read_bytes, settings.limits, checkpoint_root)
 
     base_openapi = app.openapi

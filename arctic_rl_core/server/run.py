@@ -74,6 +74,18 @@ class ServerThread:
         close_job(self.server)
 
 
+def tinker_keys(path: str | None) -> dict[str, str] | None:
+    if path is None:
+        return None
+    from arctic_rl_core.errors import InvalidRequest
+    from arctic_rl_core.tinker.tenants import read_keys
+
+    try:
+        return read_keys(path)
+    except InvalidRequest as err:
+        raise SystemExit(f"--tinker-keys: {err}") from None
+
+
 def main(args) -> int:
     import yaml
 
@@ -84,6 +96,8 @@ def main(args) -> int:
     if args.config:
         with open(args.config) as f:
             config = parse(BackendConfig, yaml.safe_load(f), args.config)
+    if args.tinker_tenants < 1:
+        raise SystemExit(f"--tinker-tenants {args.tinker_tenants}: at least 1")
     limits = RequestLimits()
     for item in args.limit:
         name, _, value = item.partition("=")
@@ -93,7 +107,8 @@ def main(args) -> int:
     settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20,
                               checkpoint_dir=args.checkpoint_dir, limits=limits,
                               served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
-                              tinker_full_parameter=args.tinker_full_parameter)
+                              tinker_full_parameter=args.tinker_full_parameter, tinker_tenants=args.tinker_tenants,
+                              tinker_keys=tinker_keys(args.tinker_keys))
     server = build_server(settings, config)
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)

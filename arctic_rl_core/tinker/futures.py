@@ -19,31 +19,32 @@ from arctic_rl_core.server.limits import OverLimit
 class FutureTable:
     def __init__(self, poll_s: float = 25.0, max_pending: int = 1024, max_done: int = 1024):
         self.poll_s, self.max_pending, self.max_done = poll_s, max_pending, max_done
-        self._futures: OrderedDict[str, tuple[asyncio.Future, Callable[[Any], Any]]] = OrderedDict()
+        self._futures: OrderedDict[str, tuple[asyncio.Future, Callable[[Any], Any], str]] = OrderedDict()
 
-    def add(self, encode: Callable[[Any], Any]) -> tuple[str, asyncio.Future]:
-        """A new request id and the future its work resolves; `encode` makes the result a response."""
-        pending = sum(not f.done() for f, _ in self._futures.values())
+    def add(self, encode: Callable[[Any], Any], tenant: str) -> tuple[str, asyncio.Future]:
+        """A new request id and the future its work resolves; `encode` makes the result a response, for `tenant`
+        alone."""
+        pending = sum(not f.done() for f, _, _ in self._futures.values())
         if pending >= self.max_pending:
             raise OverLimit("request", f"{pending} Tinker requests are already waiting (the server's cap)")
         request_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
-        self._futures[request_id] = (future, encode)
+        self._futures[request_id] = (future, encode, tenant)
         self._forget_oldest_done()
         return request_id, future
 
     def _forget_oldest_done(self) -> None:
-        done = [key for key, (f, _) in self._futures.items() if f.done()]
+        done = [key for key, (f, _, _) in self._futures.items() if f.done()]
         for key in done[: max(0, len(done) - self.max_done)]:
             del self._futures[key]
 
-    async def retrieve(self, request_id: str) -> tuple[str, Any]:
+    async def retrieve(self, request_id: str, tenant: str) -> tuple[str, Any]:
         """("pending", None), ("done", response) or ("failed", the exception). A result stays retrievable (a poll
         whose answer was lost is answered again) until `max_done` later results push it out."""
         entry = self._futures.get(request_id)
-        if entry is None:
+        if entry is None or entry[2] != tenant:
             raise NotFound("request_id", f"no Tinker request has the id {request_id!r} (or it was long retrieved)")
-        future, encode = entry
+        future, encode, _ = entry
         try:
             result = await asyncio.wait_for(asyncio.shield(future), self.poll_s)
         except asyncio.TimeoutError:

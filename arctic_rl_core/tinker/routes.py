@@ -1,8 +1,9 @@
 """Tinker's training and sampling API (`/api/v1/...`) on `arctic-rl serve`, for the unmodified `tinker` SDK.
 
-The Tinker model is the job's policy: one tenant at a time trains it (LoRA at the job's `engine.lora` rank, or
-all parameters where the server runs with `--tinker-full-parameter`). Training calls run on the job's ordered
-worker in `seq_id` order; `forward_backward` accumulates gradients until `optim_step`, as Tinker's do.
+A Tinker model trains the job's policy (LoRA at the job's `engine.lora` rank, or all parameters where the server
+runs with `--tinker-full-parameter`): one model at a time, or several time-sharing the engine (`tenants.py`).
+Each request is a tenant's, and sees only that tenant's sessions, models and results. Training calls run on the
+job's ordered worker in `seq_id` order; `forward_backward` accumulates gradients until `optim_step`, as Tinker's do.
 `save_weights_for_sampler` syncs the weights to the sampler; a sampling session samples the version it was made
 for, and is refused once a later sync has replaced it (never silently sampled from other weights).
 """
@@ -27,18 +28,19 @@ from arctic_rl_core.batching import batch_loss_inputs
 from arctic_rl_core.errors import InvalidRequest, NotFound
 from arctic_rl_core.plugins.manager import load_plugins
 from arctic_rl_core.server.limits import OverLimit, RequestLimits
-from arctic_rl_core.server.security import confine
+from arctic_rl_core.server.security import TINKER_PREFIX, confine
 from arctic_rl_core.tinker import wire
 from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
 from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
+from arctic_rl_core.tinker.tenants import Residency, tenant_of
 from arctic_rl_core.types import MAX_TOP_LOGPROBS, LossSpec, SamplingParams, Sequence
 from arctic_rl_core.validation import parse
 
-PREFIX = "/api/v1"
+PREFIX = TINKER_PREFIX.rstrip("/")
 MAX_SESSIONS = 256
 MAX_SAMPLERS = 1024
 SESSION_TIMEOUT_S = 60.0
-"""A session not heard from for this long (the SDK heartbeats every 10 s) no longer holds the job's model."""
+"""A session not heard from for this long (the SDK heartbeats every 10 s) no longer holds its models."""
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _TINKER_PATH = re.compile(r"^tinker://(?P<model>[0-9a-f]+:train:[0-9]+)/(?P<kind>weights|sampler_weights)/(?P<name>[^/]+)$")
 # Arctic RL field names in a backend refusal, as the Tinker request spells them.
@@ -50,7 +52,15 @@ _FIELD_NAMES = {"advantages": "loss_fn_inputs.advantages", "behaviour_logprobs":
 class TinkerModel:
     model_id: str
     session_id: str
+    tenant: str
     order: SeqOrder = field(default_factory=SeqOrder)
+
+
+@dataclass
+class Session:
+    tenant: str
+    seen: float
+    """When it was last heard from."""
 
 
 @dataclass
@@ -64,12 +74,16 @@ class Sampler:
 class TinkerState:
     full_parameter: bool = False
     """Train all of a full-parameter job's weights for a client that asks for LoRA (the SDK can ask for no other)."""
-    sessions: dict[str, float] = field(default_factory=dict)
-    """session id -> when it was last heard from."""
-    model: TinkerModel | None = None
+    max_models: int = 1
+    """Models training at once. Above 1 they time-share the engine, each from the job's policy; at 1 the model
+    trains the job's policy itself, and keeps what it trained there."""
+    keys: dict[str, str] | None = None
+    """Tenant name -> API key; None: any key, each its own tenant."""
+    sessions: dict[str, Session] = field(default_factory=dict)
+    models: dict[str, TinkerModel] = field(default_factory=dict)
     samplers: dict[str, Sampler] = field(default_factory=dict)
-    sampler_paths: dict[str, int] = field(default_factory=dict)
-    """tinker://.../sampler_weights/<name> -> the weight version saved under it."""
+    sampler_paths: dict[str, tuple[str, int]] = field(default_factory=dict)
+    """tinker://.../sampler_weights/<name> -> the tenant that saved it and the weight version saved under it."""
     futures: FutureTable = field(default_factory=FutureTable)
 
 
@@ -96,17 +110,23 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     def model_name(api) -> str:
         return serving.model_name(api)
 
-    def session(session_id: Any) -> str:
-        if session_id not in state.sessions:
+    residency = Residency(os.path.join(checkpoint_root, "tinker", ".parked")) if state.max_models > 1 else None
+
+    def tenant(request: Request) -> str:
+        return tenant_of(request, state.keys)
+
+    def session(session_id: Any, who: str) -> str:
+        found = state.sessions.get(session_id) if isinstance(session_id, str) else None
+        if found is None or found.tenant != who:
             raise NotFound("session_id", f"no session {session_id!r} on this server: create_session first")
-        state.sessions[session_id] = time.time()
+        found.seen = time.time()
         return session_id
 
-    def owned_model(model_id: Any) -> TinkerModel:
-        model = state.model
-        if model is None or model.model_id != model_id:
+    def owned_model(model_id: Any, who: str) -> TinkerModel:
+        model = state.models.get(model_id) if isinstance(model_id, str) else None
+        if model is None or model.tenant != who:
             raise NotFound("model_id", f"no model {model_id!r} on this server")
-        session(model.session_id)
+        session(model.session_id, who)
         return model
 
     def resolve(outcome: asyncio.Future, done: asyncio.Future, settle: Callable[[Any], Any] | None = None) -> None:
@@ -117,14 +137,19 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         except Exception as err:  # the call's failure, or settle's, is the future's answer
             outcome.set_exception(err)
 
-    def deferred(encode: Callable[[Any], Any], work: Callable[[], Any],
+    def deferred(model: TinkerModel, encode: Callable[[Any], Any], work: Callable[[], Any],
                  settle: Callable[[Any], Any] | None = None) -> tuple[str, Callable[[], None]]:
-        """A request id now, and `start()`, which runs `work` on the job's ordered worker; its result is encoded
-        when retrieved."""
-        request_id, outcome = state.futures.add(encode)
+        """A request id now, and `start()`, which runs `work` on `model`'s training state on the job's ordered
+        worker; its result is encoded when retrieved."""
+        request_id, outcome = state.futures.add(encode, model.tenant)
+
+        def on_model():
+            if residency is not None:
+                residency.enter(api_of(), model.model_id)
+            return work()
 
         def start():
-            running = asyncio.wrap_future(job.ordered.submit(work))
+            running = asyncio.wrap_future(job.ordered.submit(on_model))
             running.add_done_callback(lambda done: resolve(outcome, done, settle))
         return request_id, start
 
@@ -135,37 +160,40 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             raise InvalidRequest("seq_id", "must be an integer")
         if seq_id in model.order.issued:
             return {"request_id": model.order.issued[seq_id], "model_id": model.model_id}
-        request_id, start = deferred(encode, work, settle)
+        request_id, start = deferred(model, encode, work, settle)
         model.order.admit(seq_id, start)
         model.order.issued[seq_id] = request_id
         return {"request_id": request_id, "model_id": model.model_id}
 
     @contextmanager
-    def in_turn(model_id: Any, seq_id: Any):
+    def in_turn(model_id: Any, seq_id: Any, who: str):
         """A training call's checks: where they refuse it, its seq_id's turn passes (the SDK numbered the calls after
         it already, and they must not wait for one that never runs)."""
         try:
             yield
         except InvalidRequest:
-            if state.model is not None and state.model.model_id == model_id:
-                state.model.order.skip(seq_id)
+            model = state.models.get(model_id) if isinstance(model_id, str) else None
+            if model is not None and model.tenant == who:
+                model.order.skip(seq_id)
             raise
 
     def training_call(name: str):
-        """A JSON route of a training call: `handler(body)` checks it and returns its future (`ordered`)."""
-        def register(handler: Callable[[dict], dict]) -> Callable[[dict], dict]:
+        """A JSON route of a training call: `handler(body, tenant)` checks it and returns its future (`ordered`)."""
+        def register(handler: Callable[[dict, str], dict]) -> Callable[[dict, str], dict]:
             async def route(request: Request):
+                who = tenant(request)
                 body = await read_json(request)
-                with in_turn(body.get("model_id"), body.get("seq_id")):
-                    return handler(body)
+                with in_turn(body.get("model_id"), body.get("seq_id"), who):
+                    return handler(body, who)
             app.post(f"{PREFIX}/{name}", name=f"tinker_{name}")(route)
             return handler
         return register
 
-    def checkpoint_dir(model_id: str, name: Any) -> str:
+    def checkpoint_dir(who: str, model_id: str, name: Any) -> str:
+        """A tenant's checkpoints lie under its own folder: a path of another's names nothing there."""
         if not isinstance(name, str) or not _NAME.match(name):
             raise InvalidRequest("path", f"{name!r} is not a checkpoint name (1-128 of A-Z a-z 0-9 . _ -)")
-        return confine(checkpoint_root, os.path.join("tinker", model_id.replace(":", "_"), name))
+        return confine(checkpoint_root, os.path.join("tinker", who, model_id.replace(":", "_"), name))
 
     # -- session ------------------------------------------------------------------------------------------
 
@@ -183,23 +211,26 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     @app.post(f"{PREFIX}/create_session")
     async def create_session(request: Request):
+        who = tenant(request)
         await read_json(request)
         if len(state.sessions) >= MAX_SESSIONS:
-            idle = [s for s in sorted(state.sessions, key=state.sessions.get)
-                    if state.model is None or s != state.model.session_id]
+            holding = {m.session_id for m in state.models.values()}
+            idle = [s for s in sorted(state.sessions, key=lambda s: state.sessions[s].seen) if s not in holding]
             if not idle:
                 raise OverLimit("session", f"the server holds {MAX_SESSIONS} sessions")
             del state.sessions[idle[0]]
         session_id = uuid.uuid4().hex
-        state.sessions[session_id] = time.time()
+        state.sessions[session_id] = Session(who, time.time())
         return {"session_id": session_id, "type": "create_session"}
 
     @app.post(f"{PREFIX}/session_heartbeat")
     async def heartbeat(request: Request):
+        who = tenant(request)
         body = await read_json(request)
-        if body.get("session_id") not in state.sessions:
+        try:
+            session(body.get("session_id"), who)
+        except NotFound:
             return JSONResponse({"error": "unknown session"}, status_code=410)  # the SDK stops its heartbeat
-        session(body["session_id"])
         return {"type": "session_heartbeat"}
 
     @app.post(f"{PREFIX}/telemetry")
@@ -209,10 +240,11 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     @app.post(f"{PREFIX}/sessions/{{session_id}}/finish")
     async def finish(session_id: str, request: Request):
+        who = tenant(request)
         await read_json(request)
-        session(session_id)
-        if state.model is not None and state.model.session_id == session_id:
-            await asyncio.wrap_future(release(job.api))
+        session(session_id, who)
+        for model in [m for m in state.models.values() if m.session_id == session_id]:
+            await asyncio.wrap_future(release(job.api, model))
         for key in [k for k, s in state.samplers.items() if s.session_id == session_id]:
             del state.samplers[key]
         del state.sessions[session_id]
@@ -230,18 +262,20 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     # -- models -------------------------------------------------------------------------------------------
 
-    def release(api):
-        """The tenant leaves: the job's weights stay, the gradients it accumulated and never stepped go with it (on
-        the ordered worker, before any call of the next tenant)."""
-        state.model = None
-        return job.ordered.submit(api.discard_gradients)
+    def release(api, model: TinkerModel):
+        """The model leaves, with the gradients it accumulated and never stepped (on the ordered worker, before any
+        call of the next model). Alone, it trained the job's weights, which stay; time-sharing, its state goes."""
+        del state.models[model.model_id]
+        if residency is None:
+            return job.ordered.submit(api.discard_gradients)
+        return job.ordered.submit(residency.leave, api, model.model_id, not state.models)
 
     def lora_rank(api) -> int | None:
         lora = api.config.engine.lora
         return None if lora is None else lora.r
 
-    def new_model(api, body: dict) -> TinkerModel:
-        session_id = session(body.get("session_id"))
+    def new_model(api, body: dict, who: str) -> TinkerModel:
+        session_id = session(body.get("session_id"), who)
         base = body.get("base_model")
         if base is not None and base != model_name(api):
             raise InvalidRequest("base_model", f"this server trains {model_name(api)!r}, not {base!r}")
@@ -255,33 +289,40 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise InvalidRequest("optimizer_config.type", f"{optimizer!r}: this server's optimizer is AdamW")
-        if state.model is not None and state.model.session_id != session_id:
-            idle = time.time() - state.sessions.get(state.model.session_id, 0.0)
-            if idle < SESSION_TIMEOUT_S:
-                raise InvalidRequest("base_model", "another session trains this job's model; one tenant at a time (it "
-                                     f"frees the model when its session finishes, or {SESSION_TIMEOUT_S:.0f} s after "
-                                     "its last heartbeat)")
-            release(api)
         seq = body.get("model_seq_id", 0)
-        state.model = TinkerModel(f"{session_id}:train:{seq}", session_id)
-        return state.model
+        if not isinstance(seq, int):
+            raise InvalidRequest("model_seq_id", "must be an integer")
+        model_id = f"{session_id}:train:{seq}"
+        if model_id in state.models:
+            raise InvalidRequest("model_seq_id", f"this session already made model {seq}")
+        for idle in [m for m in state.models.values() if m.session_id != session_id
+                     and time.time() - state.sessions[m.session_id].seen >= SESSION_TIMEOUT_S]:
+            release(api, idle)
+        if len(state.models) >= state.max_models:
+            raise InvalidRequest("base_model", f"this server trains at most {state.max_models} Tinker model(s) at once "
+                                 "(arctic-rl serve --tinker-tenants) and that many train now; a model is freed when "
+                                 f"its session finishes, or {SESSION_TIMEOUT_S:.0f} s after its last heartbeat")
+        state.models[model_id] = TinkerModel(model_id, session_id, who)
+        return state.models[model_id]
 
-    def done_now(value: dict) -> dict:
+    def done_now(value: dict, who: str) -> dict:
         """A future that is already resolved (calls that change no training state)."""
-        request_id, outcome = state.futures.add(lambda result: result)
+        request_id, outcome = state.futures.add(lambda result: result, who)
         outcome.set_result(value)
         return {"request_id": request_id}
 
     @app.post(f"{PREFIX}/create_model")
     async def create_model(request: Request):
+        who = tenant(request)
         body = await read_json(request)
-        model = new_model(api_of(), body)
-        return {**done_now({"model_id": model.model_id, "type": "create_model"}), "model_id": model.model_id}
+        model = new_model(api_of(), body, who)
+        return {**done_now({"model_id": model.model_id, "type": "create_model"}, who), "model_id": model.model_id}
 
     @app.post(f"{PREFIX}/get_info")
     async def get_info(request: Request):
+        who = tenant(request)
         body = await read_json(request)
-        api, model = api_of(), owned_model(body.get("model_id"))
+        api, model = api_of(), owned_model(body.get("model_id"), who)
         rank = lora_rank(api)
         return {"model_id": model.model_id, "type": "get_info", "model_name": model_name(api),
                 "model_data": {"model_name": model_name(api), "tokenizer_id": api.config.model_path},
@@ -289,12 +330,13 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     @app.post(f"{PREFIX}/weights_info")
     async def weights_info(request: Request):
+        who = tenant(request)
         body = await read_json(request)
         api = api_of()
         path = body.get("tinker_path")
-        match = _TINKER_PATH.match(path or "")
-        if match is None or not (path in state.sampler_paths or os.path.isdir(
-                checkpoint_dir(match.group("model"), match.group("name")))):
+        match = _TINKER_PATH.match(path if isinstance(path, str) else "")
+        if match is None or not (state.sampler_paths.get(path, ("",))[0] == who or os.path.isdir(
+                checkpoint_dir(who, match.group("model"), match.group("name")))):
             raise NotFound("tinker_path", f"no checkpoint {path!r} on this server")
         rank = lora_rank(api)
         return {"base_model": model_name(api), "is_lora": rank is not None, "lora_rank": rank}
@@ -314,9 +356,10 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             except zstandard.ZstdError as err:
                 raise InvalidRequest("body", f"not a zstd frame within the server's cap: {err}") from None
         message = wire.parse_request(body)
-        with in_turn(message.model_id, message.seq_id):
+        who = tenant(request)
+        with in_turn(message.model_id, message.seq_id, who):
             batch = wire.decode_batch(message)
-            api, model = api_of(), owned_model(batch.model_id)
+            api, model = api_of(), owned_model(batch.model_id, who)
             spec = loss_spec(batch.loss_fn, batch.config)
             sequences = with_loss_inputs(batch.loss_fn, batch.sequences, batch.inputs)
             limits.check("fwd_bwd", SimpleNamespace(sequences=sequences))
@@ -349,8 +392,8 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return float(loss)
 
     @training_call("optim_step")
-    def optim_step(body: dict) -> dict:
-        api, model = api_of(), owned_model(body.get("model_id"))
+    def optim_step(body: dict, who: str) -> dict:
+        api, model = api_of(), owned_model(body.get("model_id"), who)
         if "optimizer_params" in body:
             raise InvalidRequest("optimizer_params", "this server's optimizer is AdamW: send adam_params")
         adam = body.get("adam_params") or {}
@@ -384,15 +427,15 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return sampler_id
 
     @training_call("save_weights_for_sampler")
-    def save_weights_for_sampler(body: dict) -> dict:
-        api, model = api_of(), owned_model(body.get("model_id"))
+    def save_weights_for_sampler(body: dict, who: str) -> dict:
+        api, model = api_of(), owned_model(body.get("model_id"), who)
         name = body.get("path")
         if name is not None:
-            checkpoint_dir(model.model_id, name)  # the name is checked now: the call fails before it runs
+            checkpoint_dir(who, model.model_id, name)  # the name is checked now: the call fails before it runs
 
         def settle(version: int) -> dict:
             path = f"tinker://{model.model_id}/sampler_weights/{name if name is not None else f'v{version}'}"
-            state.sampler_paths[path] = version
+            state.sampler_paths[path] = (who, version)
             answer = {"type": "save_weights_for_sampler", "path": path}
             if name is None:  # the SDK's ephemeral save: it samples through the session made here
                 answer["sampling_session_id"] = new_sampler(model.session_id, version, path)
@@ -401,10 +444,10 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return ordered(model, body.get("seq_id"), JSONResponse, api.sync_weights, settle)
 
     @training_call("save_weights")
-    def save_weights(body: dict) -> dict:
-        api, model = api_of(), owned_model(body.get("model_id"))
+    def save_weights(body: dict, who: str) -> dict:
+        api, model = api_of(), owned_model(body.get("model_id"), who)
         name = body.get("path")
-        directory = checkpoint_dir(model.model_id, name)
+        directory = checkpoint_dir(who, model.model_id, name)
         if os.path.exists(directory) and not body.get("overwrite", False):
             raise InvalidRequest("path", f"a checkpoint {name!r} exists; set overwrite to replace it")
 
@@ -417,26 +460,26 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return ordered(model, body.get("seq_id"), encode, work)
 
     @training_call("load_weights")
-    def load_weights(body: dict) -> dict:
+    def load_weights(body: dict, who: str) -> dict:
         api = api_of()
         path = body.get("path")
-        match = _TINKER_PATH.match(path or "")
+        match = _TINKER_PATH.match(path if isinstance(path, str) else "")
         if match is None or match.group("kind") != "weights":
             raise InvalidRequest("path", f"{path!r} is not a tinker://<model>/weights/<name> path of this server")
-        directory = checkpoint_dir(match.group("model"), match.group("name"))
+        directory = checkpoint_dir(who, match.group("model"), match.group("name"))
         if not os.path.isdir(directory):
             raise NotFound("path", f"no checkpoint {path!r} on this server")
         if not body.get("optimizer", False):
             raise InvalidRequest("optimizer", "this server restores a checkpoint's weights with its optimizer state: "
                                  "use load_state_with_optimizer (create_training_client_from_state_with_optimizer)")
         if "session_id" in body:  # the SDK's create-from-state: this load makes the model, before its call 1
-            model = new_model(api, body)
-            request_id, start = deferred(lambda _: JSONResponse({"type": "load_weights", "path": path,
-                                                                 "model_id": model.model_id}),
+            model = new_model(api, body, who)
+            request_id, start = deferred(model, lambda _: JSONResponse({"type": "load_weights", "path": path,
+                                                                        "model_id": model.model_id}),
                                          lambda: api.load_checkpoint(directory))
             start()
             return {"request_id": request_id, "model_id": model.model_id}
-        model = owned_model(body.get("model_id"))
+        model = owned_model(body.get("model_id"), who)
         return ordered(model, body.get("seq_id"),
                        lambda _: JSONResponse({"type": "load_weights", "path": path, "model_id": model.model_id}),
                        lambda: api.load_checkpoint(directory))
@@ -445,35 +488,40 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     @app.post(f"{PREFIX}/create_sampling_session")
     async def create_sampling_session(request: Request):
+        who = tenant(request)
         body = await read_json(request)
         api = api_of()
-        session_id = session(body.get("session_id"))
+        session_id = session(body.get("session_id"), who)
         path, base = body.get("model_path"), body.get("base_model")
         if path is not None:
-            if path not in state.sampler_paths:
+            saved_by, version = state.sampler_paths.get(path, ("", 0)) if isinstance(path, str) else ("", 0)
+            if saved_by != who:
                 raise NotFound("model_path", f"no sampler weights {path!r} on this server")
-            version = state.sampler_paths[path]
         else:
             if base is not None and base != model_name(api):
                 raise InvalidRequest("base_model", f"this server samples {model_name(api)!r}, not {base!r}")
             version = 0  # the base model: the job's initial weights
         return {"type": "create_sampling_session", "sampling_session_id": new_sampler(session_id, version, path)}
 
+    def owned_sampler(sampler_id: Any, who: str, field_name: str) -> Sampler:
+        sampler = state.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
+        if sampler is None or sampler.session_id not in state.sessions or \
+                state.sessions[sampler.session_id].tenant != who:
+            raise NotFound(field_name, f"no sampling session {sampler_id!r}")
+        session(sampler.session_id, who)
+        return sampler
+
     @app.get(f"{PREFIX}/samplers/{{sampler_id}}")
-    async def get_sampler(sampler_id: str):
-        sampler = state.samplers.get(sampler_id)
-        if sampler is None:
-            raise NotFound("sampler_id", f"no sampler {sampler_id!r}")
+    async def get_sampler(sampler_id: str, request: Request):
+        sampler = owned_sampler(sampler_id, tenant(request), "sampler_id")
         return {"sampler_id": sampler_id, "base_model": model_name(api_of()), "model_path": sampler.model_path}
 
     @app.post(f"{PREFIX}/asample")
     async def asample(request: Request):
+        who = tenant(request)
         body = await read_json(request)
         api = api_of()
-        sampler = state.samplers.get(body.get("sampling_session_id"))
-        if sampler is None:
-            raise NotFound("sampling_session_id", f"no sampling session {body.get('sampling_session_id')!r}")
-        session(sampler.session_id)
+        sampler = owned_sampler(body.get("sampling_session_id"), who, "sampling_session_id")
         topk = {}
         for key in ("topk_prompt_logprobs", "topk_sample_logprobs"):
             topk[key] = body.get(key) or 0
@@ -522,7 +570,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
         request_id, outcome = state.futures.add(lambda completions: Response(
             wire.sample_response(completions, with_prompt, topk["topk_prompt_logprobs"], topk["topk_sample_logprobs"]),
-            media_type=wire.MEDIA_TYPE))
+            media_type=wire.MEDIA_TYPE), who)
         asyncio.ensure_future(work()).add_done_callback(lambda done: resolve(outcome, done))
         return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(sampling.n)]}
 
@@ -546,8 +594,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     @app.post(f"{PREFIX}/retrieve_future")
     async def retrieve_future(request: Request):
+        who = tenant(request)
         body = await read_json(request)
-        status, value = await state.futures.retrieve(body.get("request_id"))
+        status, value = await state.futures.retrieve(body.get("request_id"), who)
         if status == "pending":
             return {"type": "try_again", "request_id": body.get("request_id"), "queue_state": "active"}
         if status == "failed":

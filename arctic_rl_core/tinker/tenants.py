@@ -1,0 +1,108 @@
+"""Tinker's tenants: who a request is, and which tenant's model the job's engine holds.
+
+A tenant is an API key. With a keys file (`--tinker-keys`, `{"name": "key", ...}`) only its keys are taken and a
+tenant is its name; without one, on loopback, whatever key the SDK sends names its tenant. A tenant sees only its
+own sessions, models, sampling sessions, futures and checkpoints: anything else is answered as not found.
+
+Several tenants' models (`--tinker-tenants N`) time-share the job's one engine. Each model's training state (its
+trainable weights, optimizer state and unstepped gradients) is parked on disk while another model trains and
+resumed before its next call (`Backend.park_policy` / `resume_policy`), so each trains exactly as it would alone.
+A model starts from the job's policy as it was when the first tenant came; once the last leaves, the job's policy
+is back as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+import shutil
+
+from fastapi import Request
+
+from arctic_rl_core.errors import InvalidRequest, Unauthorized
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+JOB = "job"
+"""The residency of the job's own policy (no tenant's model)."""
+
+
+def read_keys(path: str) -> dict[str, str]:
+    """A keys file: a JSON object of tenant name -> API key (the SDK wants keys that start with `tml-`)."""
+    try:
+        with open(path) as f:
+            keys = json.load(f)
+    except (OSError, ValueError) as err:
+        raise InvalidRequest("tinker_keys", f"{path}: {err}") from None
+    if not isinstance(keys, dict) or not keys:
+        raise InvalidRequest("tinker_keys", f"{path}: must be a JSON object of tenant name -> API key")
+    for name, key in keys.items():
+        if not _NAME.match(name) or name == JOB:
+            raise InvalidRequest(f"tinker_keys.{name}", f"a tenant name is 1-64 of A-Z a-z 0-9 . _ - (not {JOB!r})")
+        if not isinstance(key, str) or len(key) < 16:
+            raise InvalidRequest(f"tinker_keys.{name}", "an API key is a string of at least 16 characters")
+    if len(set(keys.values())) != len(keys):
+        raise InvalidRequest("tinker_keys", f"{path}: two tenants share a key")
+    return keys
+
+
+def request_key(request: Request) -> str:
+    key = request.headers.get("x-api-key")
+    if key is None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key = token if scheme.lower() == "bearer" else None
+    return key or ""
+
+
+def tenant_of(request: Request, keys: dict[str, str] | None) -> str:
+    """The tenant a request speaks for: its key's name in the keys file, or (no file) a digest of its key."""
+    key = request_key(request)
+    if keys is None:
+        return "key-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    found = None
+    for name, known in keys.items():  # every key compared, in constant time each
+        if hmac.compare_digest(key.encode(), known.encode()):
+            found = name
+    if found is None:
+        raise Unauthorized("x-api-key", "this API key is not one of the server's Tinker keys")
+    return found
+
+
+class Residency:
+    """Which model's training state the engine holds. Its methods run on the job's ordered worker only."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.resident: str | None = JOB
+        """A model id, JOB, or None (the engine holds the state of a model that left)."""
+        self.parked: dict[str, list] = {}
+        """model id (or JOB) -> the fwd_bwd calls of its unstepped gradients; its state is in `directory(id)`."""
+
+    def directory(self, model_id: str) -> str:
+        return os.path.join(self.root, hashlib.sha256(model_id.encode()).hexdigest()[:24])
+
+    def enter(self, api, model_id: str) -> None:
+        """The engine holds `model_id`'s training state (a new model's is the job's policy, without gradients)."""
+        if self.resident == model_id:
+            return
+        if self.resident is not None:
+            self.parked[self.resident] = api.park_policy(self.directory(self.resident))
+        if model_id in self.parked:
+            api.resume_policy(self.directory(model_id), self.parked.pop(model_id))
+        else:
+            api.resume_policy(self.directory(JOB), [])
+        self.resident = model_id
+
+    def leave(self, api, model_id: str, last: bool) -> None:
+        """`model_id` is gone, with what it never saved; after the `last` model the job's policy is back."""
+        if self.resident == model_id:
+            api.discard_gradients()
+            self.resident = None
+        self.parked.pop(model_id, None)
+        shutil.rmtree(self.directory(model_id), ignore_errors=True)
+        if last and self.resident != JOB and JOB in self.parked:
+            api.resume_policy(self.directory(JOB), self.parked.pop(JOB))
+            self.resident = JOB
+            shutil.rmtree(self.directory(JOB), ignore_errors=True)

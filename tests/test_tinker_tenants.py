@@ -1,0 +1,198 @@
+"""Several Tinker tenants on one base model: each trains exactly as it would alone, and none sees another's."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import httpx
+import pytest
+
+import tinker  # noqa: E402  (the `tinker` extra, which make install installs)
+from tinker import types  # noqa: E402
+
+from arctic_rl_core.client import ArcticRLClient  # noqa: E402
+from arctic_rl_core.config import BackendConfig  # noqa: E402
+from arctic_rl_core.engines.distributed import free_loopback_port  # noqa: E402
+from arctic_rl_core.server.app import ServerSettings  # noqa: E402
+from arctic_rl_core.server.run import ServerThread  # noqa: E402
+
+from conftest import LIGHT_SAMPLER  # noqa: E402
+
+os.environ["TINKER_TELEMETRY"] = "0"
+MODEL = "tiny/qwen3"
+RANK = 8
+ADAM = types.AdamParams(learning_rate=2e-2, beta1=0.9, beta2=0.95, eps=1e-8)
+ENGINE = {"learning_rate": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "grad_clip": None, "lora": {"r": RANK}}
+TOKEN = "operator-token-0123456789"
+KEYS = {"alice": "tml-alice-0123456789", "bob": "tml-bob-0123456789ab", "carol": "tml-carol-0123456789"}
+STEPS = 3
+
+
+def job(tiny_model, zero_stage: int = 2) -> BackendConfig:
+    return BackendConfig.model_validate({"model_path": tiny_model, "engine": {**ENGINE, "zero_stage": zero_stage},
+                                         "sampler": LIGHT_SAMPLER})
+
+
+@pytest.fixture(scope="module", params=[2, 0], ids=["zero2", "zero0"])
+def shared(request, tiny_model, tmp_path_factory):
+    """Three tenants' models at once, each tenant with its own key (and the operator's token for the rest); ZeRO-2
+    keeps its optimizer state in flat partitions, ZeRO-0 in the optimizer's own."""
+    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, token=TOKEN, tinker_tenants=3,
+                              tinker_keys=KEYS, checkpoint_dir=str(tmp_path_factory.mktemp("checkpoints")))
+    with ServerThread(settings, job(tiny_model, request.param)) as url:
+        yield url
+
+
+def data(tenant: str) -> list[types.Datum]:
+    """Each tenant its own supervised rows (next-token datums, the first two targets unweighted)."""
+    base = {"alice": 11, "bob": 40, "carol": 70}[tenant]
+    rows = [[base + k for k in range(8)], [base, base + 3, base + 5, base + 2, base + 9, base + 1],
+            [base + 7 - k for k in range(7)]]
+    return [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]),
+                        loss_fn_inputs={"target_tokens": r[1:], "weights": [0.0] * 2 + [1.0] * (len(r) - 3)})
+            for r in rows]
+
+
+def train(url: str, tenant: str, barrier: threading.Barrier | None = None) -> list[float]:
+    """The tenant's loss at each step, then after the last one. With a barrier, every tenant's forward_backward
+    runs before any tenant's optim_step: each tenant's gradients wait parked while the others train."""
+    losses = []
+    with tinker.ServiceClient(base_url=url, api_key=KEYS[tenant]) as service:
+        tc = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+        for _ in range(STEPS):
+            losses.append(tc.forward_backward(data(tenant), "cross_entropy").result().metrics["loss:sum"])
+            if barrier is not None:
+                barrier.wait(timeout=120)
+            tc.optim_step(ADAM).result()
+            if barrier is not None:
+                barrier.wait(timeout=120)
+        losses.append(tc.forward(data(tenant), "cross_entropy").result().metrics["loss:sum"])
+    return losses
+
+
+def test_three_tenants_at_once_each_train_as_they_would_alone(shared, tiny_model, tmp_path):
+    arctic = ArcticRLClient(shared, token=TOKEN, retries=0)
+    digest = arctic.state_digest()
+    alone = {tenant: train(shared, tenant) for tenant in KEYS}
+    assert arctic.state_digest() == digest  # every tenant gone: the job's policy is as it was
+    for curve in alone.values():
+        assert curve[-1] < 0.95 * curve[0], curve  # each trains: its loss falls
+
+    barrier = threading.Barrier(len(KEYS))
+    together: dict[str, list[float]] = {}
+    failures: list[BaseException] = []
+
+    def run(tenant):
+        try:
+            together[tenant] = train(shared, tenant, barrier)
+        except BaseException as err:  # reported below, and the others are not left waiting
+            failures.append(err)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(tenant,)) for tenant in KEYS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    for tenant in KEYS:
+        assert together[tenant] == pytest.approx(alone[tenant], rel=1e-5), tenant
+    assert arctic.state_digest() == digest
+
+    # The same tenant alone on a server that trains one model at a time, on the job's policy itself.
+    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, checkpoint_dir=str(tmp_path))
+    with ServerThread(settings, job(tiny_model)) as url:
+        with tinker.ServiceClient(base_url=url, api_key="tml-anyone") as service:
+            tc = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+            plain = []
+            for _ in range(STEPS):
+                plain.append(tc.forward_backward(data("alice"), "cross_entropy").result().metrics["loss:sum"])
+                tc.optim_step(ADAM).result()
+            plain.append(tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"])
+    assert plain == pytest.approx(alone["alice"], rel=1e-5)
+
+
+def raw(url: str, key: str, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/api/v1/{route}", json=body, headers={"X-API-Key": key}, timeout=60)
+
+
+def test_a_tenant_cannot_see_or_touch_another_tenants_models(shared):
+    alice, bob = KEYS["alice"], KEYS["bob"]
+    with tinker.ServiceClient(base_url=shared, api_key=alice) as service:
+        tc = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+        tc.forward_backward(data("alice"), "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        state_path = tc.save_state("mine").result().path
+        sampler_path = tc.save_weights_for_sampler("mine").result().path
+        model_id = state_path.removeprefix("tinker://").split("/")[0]
+        session_id = model_id.split(":")[0]
+        # A future of alice's, made outside the SDK.
+        own_session = raw(shared, alice, "create_session", {}).json()["session_id"]
+        made = raw(shared, alice, "create_model", {"session_id": own_session, "model_seq_id": 0, "base_model": MODEL,
+                                                   "lora_config": {"rank": RANK}}).json()
+        before = tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"]
+
+        bob_session = raw(shared, bob, "create_session", {}).json()["session_id"]
+        refusals = {
+            "get_info": raw(shared, bob, "get_info", {"model_id": model_id}),
+            "optim_step": raw(shared, bob, "optim_step", {"model_id": model_id, "seq_id": 50,
+                                                          "adam_params": {"learning_rate": 1.0}}),
+            "save_weights": raw(shared, bob, "save_weights", {"model_id": model_id, "seq_id": 51, "path": "x"}),
+            "weights_info": raw(shared, bob, "weights_info", {"tinker_path": state_path}),
+            "load_weights": raw(shared, bob, "load_weights", {"session_id": bob_session, "model_seq_id": 0,
+                                                              "path": state_path, "optimizer": True}),
+            "create_sampling_session": raw(shared, bob, "create_sampling_session",
+                                           {"session_id": bob_session, "model_path": sampler_path}),
+            "retrieve_future": raw(shared, bob, "retrieve_future", {"request_id": made["request_id"]}),
+            "finish": raw(shared, bob, f"sessions/{session_id}/finish", {}),
+        }
+        for route, answer in refusals.items():
+            assert answer.status_code == 404, (route, answer.text)
+            assert "alice" not in answer.text
+        assert raw(shared, bob, "session_heartbeat", {"session_id": session_id}).status_code == 410
+        # Nothing of alice's moved: her model trains on from where it was, and her future is hers to read.
+        assert tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"] == before
+        assert raw(shared, alice, "retrieve_future", {"request_id": made["request_id"]}).json()["model_id"] == \
+            made["model_id"]
+        assert raw(shared, alice, f"sessions/{own_session}/finish", {}).status_code == 200
+        assert raw(shared, bob, f"sessions/{bob_session}/finish", {}).status_code == 200
+        # Her sampler samples her weights: its log-probs are her trainer's.
+        sampling = service.create_sampling_client(model_path=sampler_path)
+        prompt = types.ModelInput.from_ints([11, 12, 13, 14])
+        sample = sampling.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=1.0)).result()
+        tokens = sample.sequences[0].tokens
+        full = [11, 12, 13, 14] + tokens
+        scored = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                         loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})],
+                            "cross_entropy").result()
+        trainer = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(tokens):]
+        assert trainer == pytest.approx(sample.sequences[0].logprobs, abs=1e-4)
+
+
+def test_keys_are_the_tenants_and_open_only_the_tinker_routes(shared):
+    with pytest.raises(tinker.AuthenticationError):
+        with tinker.ServiceClient(base_url=shared, api_key="tml-nobody-0123456789") as service:
+            service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+    # A tenant's key is no token for the training API; the operator's token is.
+    assert httpx.get(f"{shared}/v1/status", headers={"X-API-Key": KEYS["bob"]}).status_code == 401
+    assert httpx.get(f"{shared}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+@pytest.mark.parametrize("content, field", [
+    ('["tml-0123456789abcdef"]', "tinker_keys"),
+    ('{"alice": "short"}', "tinker_keys.alice"),
+    ('{"job": "tml-0123456789abcdef"}', "tinker_keys.job"),
+    ('{"a/b": "tml-0123456789abcdef"}', "tinker_keys.a/b"),
+    ('{"a": "tml-0123456789abcdef", "b": "tml-0123456789abcdef"}', "tinker_keys"),
+    ("{not json", "tinker_keys"),
+])
+def test_a_keys_file_is_refused_by_field(tmp_path, content, field):
+    from arctic_rl_core.errors import InvalidRequest
+    from arctic_rl_core.tinker.tenants import read_keys
+
+    path = tmp_path / "keys.json"
+    path.write_text(content)
+    with pytest.raises(InvalidRequest) as refused:
+        read_keys(str(path))
+    assert refused.value.field == field
