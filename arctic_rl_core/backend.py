@@ -129,6 +129,8 @@ class InProcessBackend(TrainingAPI):
         """Of the last step (status reports it: a framework's schedule can be seen reaching the job)."""
         self._aborts = 0
         """`abort_generation` calls so far: a generate call that waited for the sampler through one is aborted."""
+        self._adapters: set[str] = set()
+        """The LoRA adapters the sampler serves (`add_adapter`)."""
 
     @property
     def weight_version(self) -> int:
@@ -206,6 +208,18 @@ class InProcessBackend(TrainingAPI):
                             if getattr(params, name) != SamplingParams.model_fields[name].default), None)
         if unsupported:
             raise InvalidRequest(f"sampling.{unsupported}", f"the {self.config.sampler.name} sampler cannot apply it")
+        if params.adapter is not None:
+            if params.adapter not in self._adapters:
+                raise InvalidRequest("sampling.adapter", f"no adapter {params.adapter!r} is served")
+            if self._weight_version != 0:
+                raise InvalidRequest("sampling.adapter", f"the sampler holds weights synced from the trainer (version "
+                                     f"{self._weight_version}), not the base model its adapters apply to")
+            scored = "prompt_logprobs" if params.prompt_logprobs is not None else \
+                reshaped if reshaped and params.logprobs_of == "model" else None
+            if scored and not self.sampler.scores_under_adapters:
+                raise InvalidRequest(f"sampling.{scored}", f"the {self.config.sampler.name} sampler cannot score "
+                                     "prompts under an adapter" + ("" if scored == "prompt_logprobs" else
+                                                                   ": ask for logprobs_of: sampler"))
         bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
         if bad_stop is not None:
             raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
@@ -389,6 +403,27 @@ class InProcessBackend(TrainingAPI):
             self._accumulated.clear()
         self.learning_rate = lr
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """The sampler serves the LoRA adapter saved in `path` (`save_adapter`) as `name` on its base model, for
+        requests that name it (`SamplingParams.adapter`)."""
+        if not self.sampler.adapters:
+            raise InvalidRequest("sampler.adapters", "this job's sampler serves no LoRA adapters (sampler.adapters: 0)")
+        with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
+            self.sampler.add_adapter(name, path)
+        self._adapters.add(name)
+
+    def remove_adapter(self, name: str) -> None:
+        self._adapters.discard(name)
+        with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
+            self.sampler.remove_adapter(name)
+
+    def save_adapter(self, path: str) -> None:
+        """The policy's LoRA adapter (weights only) as PEFT saves it, for `add_adapter`."""
+        if self.config.engine.lora is None:
+            raise InvalidRequest("engine.lora", "this job trains all parameters: it has no adapter to save")
+        with self._train_lock:
+            self.engine.save_adapter(path)
 
     def park_policy(self, path: str) -> list[tuple]:
         """Take the policy's training state out of the engine: its trainable weights and optimizer state are

@@ -164,8 +164,19 @@ class SamplerConfig(_Config):
     sleep_during_training: bool = False
     """Release the KV cache (vLLM sleep mode) during fwd_bwd and step; for colocated GPUs, not with pipelining.
     vLLM's CPU build ignores it."""
+    adapters: int = Field(0, ge=0)
+    """LoRA adapters of the engine's rank the sampler serves at once on its base model (vLLM's multi-LoRA,
+    `max_loras`): Tinker tenants' saved weights, each request with its own (`SamplingParams.adapter`). 0: none.
+    Needs `engine.lora` and one replica."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's LLM(...) as is."""
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters_on_one_sampler(cls, adapters, info: ValidationInfo):
+        if adapters and info.data.get("replicas", 1) > 1:
+            raise ValueError("adapters are served by one sampler (replicas 1)")
+        return adapters
 
     @field_validator("engine_args")
     @classmethod
@@ -252,7 +263,17 @@ class BackendConfig(_Config):
         sampler = info.data.get("sampler")
         if zorro.inference and sampler is not None and sampler.name != "vllm":
             raise ValueError(f"zorro.inference is forest cascade attention inside vLLM; sampler.name is {sampler.name!r}")
+        if zorro.inference and sampler is not None and sampler.adapters:
+            raise ValueError("zorro.inference's cascade is not verified with LoRA adapters (sampler.adapters)")
         return zorro
+
+    @field_validator("sampler")
+    @classmethod
+    def _adapters_of_a_lora_job(cls, sampler: SamplerConfig, info: ValidationInfo):
+        engine = info.data.get("engine")
+        if sampler.adapters and engine is not None and engine.lora is None:
+            raise ValueError("adapters: the sampler serves LoRA adapters of the trainer's rank; set engine.lora")
+        return sampler
 
     @field_validator("critic")
     @classmethod

@@ -258,6 +258,9 @@ class SamplingParams(_Strict):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Score the prompt too (`Completion.prompt_logprobs`): each prompt token's log-prob and this many
     most likely alternatives; None scores nothing."""
+    adapter: str | None = Field(default=None, min_length=1, max_length=256)
+    """Sample with this LoRA adapter on the sampler's base model: one the server gave the sampler (a Tinker
+    tenant's saved weights, `sampler.adapters`); None: the sampler's weights alone."""
 
     @model_validator(mode="after")
     def _temperature(self) -> "SamplingParams":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -29,9 +30,9 @@ KEYS = {"alice": "tml-alice-0123456789", "bob": "tml-bob-0123456789ab", "carol":
 STEPS = 3
 
 
-def job(tiny_model, zero_stage: int = 2) -> BackendConfig:
+def job(tiny_model, zero_stage: int = 2, adapters: int = 0) -> BackendConfig:
     return BackendConfig.model_validate({"model_path": tiny_model, "engine": {**ENGINE, "zero_stage": zero_stage},
-                                         "sampler": LIGHT_SAMPLER})
+                                         "sampler": {**LIGHT_SAMPLER, "adapters": adapters}})
 
 
 @pytest.fixture(scope="module", params=[2, 0], ids=["zero2", "zero0"])
@@ -40,7 +41,7 @@ def shared(request, tiny_model, tmp_path_factory):
     keeps its optimizer state in flat partitions, ZeRO-0 in the optimizer's own."""
     settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, token=TOKEN, tinker_tenants=3,
                               tinker_keys=KEYS, checkpoint_dir=str(tmp_path_factory.mktemp("checkpoints")))
-    with ServerThread(settings, job(tiny_model, request.param)) as url:
+    with ServerThread(settings, job(tiny_model, request.param, adapters=3)) as url:
         yield url
 
 
@@ -161,13 +162,40 @@ def test_a_tenant_cannot_see_or_touch_another_tenants_models(shared):
         sampling = service.create_sampling_client(model_path=sampler_path)
         prompt = types.ModelInput.from_ints([11, 12, 13, 14])
         sample = sampling.sample(prompt, 1, types.SamplingParams(max_tokens=4, temperature=1.0)).result()
-        tokens = sample.sequences[0].tokens
-        full = [11, 12, 13, 14] + tokens
-        scored = tc.forward([types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                                         loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})],
-                            "cross_entropy").result()
-        trainer = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[-len(tokens):]
+        trainer = scored(tc, [11, 12, 13, 14], sample.sequences[0].tokens)
         assert trainer == pytest.approx(sample.sequences[0].logprobs, abs=1e-4)
+
+
+def scored(tc, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The trainer's log-probs of `tokens` after `prompt`, through the tenant's own training client."""
+    full = prompt + tokens
+    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)})
+    return list(tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()[-len(tokens):])
+
+
+def test_each_tenant_samples_its_own_adapter_while_the_others_hold_theirs(shared):
+    prompt = [11, 12, 13, 14]
+    with contextlib.ExitStack() as stack:
+        trainers, samplers = {}, {}
+        for tenant in KEYS:  # every tenant trains a step on its own data and saves for the sampler
+            service = stack.enter_context(tinker.ServiceClient(base_url=shared, api_key=KEYS[tenant]))
+            trainers[tenant] = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+            trainers[tenant].forward_backward(data(tenant), "cross_entropy").result()
+            trainers[tenant].optim_step(ADAM).result()
+            samplers[tenant] = trainers[tenant].save_weights_and_get_sampling_client()
+        # All three saved: each samples its own weights, none refused as replaced.
+        futures = {tenant: samplers[tenant].sample(types.ModelInput.from_ints(prompt), 1,
+                                                   types.SamplingParams(max_tokens=6, temperature=1.0))
+                   for tenant in KEYS}
+        samples = {tenant: future.result().sequences[0] for tenant, future in futures.items()}
+        for tenant, sample in samples.items():
+            assert scored(trainers[tenant], prompt, sample.tokens) == pytest.approx(sample.logprobs, abs=1e-4), tenant
+        # ...and its own are not another's: the same tokens weigh otherwise under bob's adapter.
+        alice = samples["alice"]
+        assert max(abs(a - b) for a, b in zip(scored(trainers["bob"], prompt, alice.tokens), alice.logprobs)) > 1e-3
+    # The sampler kept the base model: the adapters sampled on it, nothing was synced.
+    assert ArcticRLClient(shared, token=TOKEN, retries=0).status()["backend"]["weight_version"] == 0
 
 
 def test_keys_are_the_tenants_and_open_only_the_tinker_routes(shared):

@@ -27,7 +27,7 @@ class ScriptedEngine:
         self.free_running = True
         self.added: list = []
 
-    def add_request(self, request_id, prompt, params):
+    def add_request(self, request_id, prompt, params, lora_request=None):
         self.threads.add(threading.current_thread().name)
         if params.max_tokens > 1000:
             raise ValueError("max_tokens too large")

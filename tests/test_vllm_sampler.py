@@ -212,3 +212,17 @@ def test_zorro_inference_decodes_shared_prompts_with_forest_cascade_attention(ti
         assert patches["vLLM's attention backend overrides[<AttentionBackendEnum.CUSTOM: None>]"] == 0
         assert patches["vllm.triton_utils.triton"] == 0
 
+
+
+@pytest.mark.scenario
+def test_a_lora_jobs_vllm_sampler_serves_saved_adapters_each_as_its_trainer_scores_it(tiny_model):
+    """vLLM's multi-LoRA on the base model (sampler.adapters): two adapters saved at different training states sample
+    in one running batch, each within 1e-4 of the trainer holding that state; what vLLM cannot score under an
+    adapter, and adapters once the sampler holds synced weights, are refused by name."""
+    result = run_scenario("adapters", tiny_model)
+    assert result["t1_err"] <= 1e-4 and result["t2_err"] <= 1e-4, result
+    assert result["base_vs_t2"] > 1e-2, result  # without the adapter the samples are the base model's
+    assert result["version_before_sync"] == 0
+    assert result["refused"] == ["sampling.adapter", "sampling.prompt_logprobs", "sampling.top_k"]
+    assert result["t2_after_refusals_err"] <= 1e-4  # refused before the engine: it samples on
+    assert result["synced_err"] <= 1e-4 and result["after_sync_refused"] == "sampling.adapter"

@@ -606,6 +606,67 @@ def rope_scaling(model_dir):
     return result
 
 
+def adapters(model_dir):
+    """A LoRA job whose vLLM sampler serves adapters on its base model: two saved adapters sampled in one running
+    batch, each against the trainer holding that adapter's state; then a sync, after which adapters are refused."""
+    import tempfile
+
+    from arctic_rl_core.backend import InProcessBackend
+    from arctic_rl_core.errors import InvalidRequest
+    from tests.helpers import grpo_batch
+
+    api = InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2, "lora": {"r": 8}},
+                            "sampler": {"name": "vllm", "kv_cache_mb": 64, "adapters": 2}})
+    work = tempfile.mkdtemp()
+    prompts = [[11, 12, 13, 14, 15], [20, 21, 22]]
+
+    def train(steps):
+        for _ in range(steps):
+            api.fwd_bwd(grpo_batch(groups=2, group_size=2, vocab=api.engine.vocab_size), "grpo")
+            api.step()
+
+    def saved(name):
+        folder = os.path.join(work, name)
+        api.save_adapter(folder)
+        api.add_adapter(name, folder)
+        return api.park_policy(os.path.join(work, name + "-state"))  # the trainer's state, to score it later
+
+    def err_under(name, completions, sampling_prompts):
+        api.resume_policy(os.path.join(work, name + "-state"), [])
+        seqs = [{"prompt_ids": sampling_prompts[c.prompt_index], "response_ids": c.token_ids} for c in completions]
+        return max_err([c.logprobs for c in completions], api.log_probs(seqs).logprobs)
+
+    train(2)
+    saved("t1")
+    api.resume_policy(os.path.join(work, "t1-state"), [])
+    train(2)
+    saved("t2")
+    sampling = {"n": 2, "max_tokens": 12, "temperature": 1.0}
+    box1, box2 = {}, {}
+    first, started1 = _sampling_all(api, prompts, {**sampling, "adapter": "t1"}, box1)
+    second, started2 = _sampling_all(api, prompts, {**sampling, "adapter": "t2"}, box2)
+    first.join()
+    second.join()
+    base = api.generate(prompts, sampling)
+    result = {"t1_err": err_under("t1", box1["out"], prompts), "t2_err": err_under("t2", box2["out"], prompts),
+              "base_vs_t2": err_under("t2", base, prompts), "version_before_sync": api.weight_version, "refused": []}
+    for refused in ({"adapter": "t3"}, {"adapter": "t2", "prompt_logprobs": 0}, {"adapter": "t2", "top_k": 5}):
+        try:
+            api.generate(prompts, {**sampling, **refused})
+        except InvalidRequest as err:
+            result["refused"].append(err.field)
+    result["t2_after_refusals_err"] = err_under("t2", api.generate(prompts, {**sampling, "adapter": "t2"}), prompts)
+    api.sync_weights()  # the sampler now holds the trainer's merged t2 weights
+    synced = api.generate(prompts, sampling)
+    result["synced_err"] = max_err([c.logprobs for c in synced], api.log_probs(
+        [{"prompt_ids": prompts[c.prompt_index], "response_ids": c.token_ids} for c in synced]).logprobs)
+    try:
+        api.generate(prompts, {**sampling, "adapter": "t1"})
+    except InvalidRequest as err:
+        result["after_sync_refused"] = err.field
+    return result
+
+
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
     from transformers.utils import logging as hf_logging
@@ -616,5 +677,5 @@ if __name__ == "__main__":
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
               "abort": abort, "reshaped": reshaped, "cascade": cascade, "continuous": continuous,
               "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming,
-              "rope_scaling": rope_scaling}[scenario](model_dir, *rest)
+              "rope_scaling": rope_scaling, "adapters": adapters}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

@@ -71,6 +71,10 @@ class TrainingEngine(ABC):
         """Restore model and optimizer; return the client state saved with them. `trainable_only`: the checkpoint
         holds only the trainable weights, and the frozen ones stay as they are."""
 
+    def save_adapter(self, path: str) -> None:
+        """A LoRA engine's adapter, as PEFT's `save_pretrained` writes it (weights, no optimizer)."""
+        raise NotImplementedError(f"{type(self).__name__} trains no adapter")
+
     @abstractmethod
     def state_digest(self) -> str:
         """A hash of all weights and optimizer state: equal digests, equal training state."""

@@ -340,6 +340,14 @@ class DeepSpeedEngine(TrainingEngine):
         self._steps = int(client_state.get("steps", 0))
         return client_state
 
+    def save_adapter(self, path: str) -> None:
+        if not self._lora:
+            raise InvalidRequest("engine.lora", "this engine trains all parameters: it has no adapter to save")
+        # Below ZeRO-3 every rank holds the whole adapter; one writes it.
+        if int(os.environ.get("RANK", "0")) == 0:
+            # The adapter alone: PEFT would add an adapted output head's frozen base weights ("embedding layers").
+            self.engine.module.model.save_pretrained(path, save_embedding_layers=False)
+
     def state_digest(self) -> str:
         h = hashlib.sha256()
         for name, param in self.engine.module.named_parameters():

@@ -129,6 +129,9 @@ class TrainerRank:
     def load(self, path: str, trainable_only: bool = False) -> dict:
         return self.engine.load(path, trainable_only)
 
+    def save_adapter(self, path: str) -> None:
+        self.engine.save_adapter(path)
+
     def state_digest(self) -> str:
         return self.engine.state_digest()
 
@@ -305,6 +308,9 @@ class TrainerGroup(TrainingEngine):
 
     def load(self, path: str, trainable_only: bool = False) -> dict:
         return self._all("load", path, trainable_only)[0]
+
+    def save_adapter(self, path: str) -> None:
+        self._all("save_adapter", path)
 
     def state_digest(self) -> str:
         return hashlib.sha256("".join(self._all("state_digest")).encode()).hexdigest()

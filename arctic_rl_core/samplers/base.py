@@ -29,6 +29,12 @@ class Sampler(ABC):
     """Whether `generate` takes `on_tokens(prompt index, sample index, token ids)` and calls it with each engine
     step's new tokens."""
 
+    adapters: int = 0
+    """LoRA adapters it serves at once on its base weights (`add_adapter`, `SamplingParams.adapter`); 0: none."""
+    scores_under_adapters: bool = True
+    """Whether it scores prompts under an adapter (prompt log-probs, and the model's own log-probs of reshaped
+    sampling, which it gets by scoring the sample again); where not, such requests are refused by name."""
+
     crosses_syncs: bool = False
     """Whether `load_weights` may run while `generate` calls are in flight: they go on under the new weights, each
     completion's `token_versions` saying which version sampled which token. Otherwise a sync waits for them."""
@@ -42,6 +48,13 @@ class Sampler(ABC):
 
         Each tensor is valid only until the next one is drawn from `weights`: copy it, don't keep it.
         """
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT LoRA adapter saved in `path` as `name`, on the weights of version 0 (the base model)."""
+        raise NotImplementedError(f"{type(self).__name__} serves no adapters")
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving `name`."""
 
     def held_weights(self) -> Iterable[tuple[str, torch.Tensor]] | None:
         """The weights it holds, named as the trainer names them (a replaced replica of a pool loads a peer's);

@@ -7,12 +7,14 @@ weight version, as a vLLM engine would. The vLLM sampler replaces it.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.models.lora_files import lora_deltas
 from arctic_rl_core.models.rope_scaling import context_window, model_config
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.types import Completion, SamplingParams
@@ -50,6 +52,37 @@ class TransformersSampler(Sampler):
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self._abort = threading.Event()
+        self.adapters = config.sampler.adapters
+        self._adapters: dict[str, dict[str, torch.Tensor]] = {}
+        """name -> each base weight's change under the adapter."""
+
+    def add_adapter(self, name: str, path: str) -> None:
+        params = dict(self.model.named_parameters())
+        deltas = lora_deltas(path, next(iter(params.values())).dtype)
+        unknown = sorted(set(deltas) - set(params))
+        if unknown:
+            raise ValueError(f"{path}: the adapter changes weights this model lacks: {unknown[:3]}")
+        self._adapters[name] = {key: delta.to(self.device) for key, delta in deltas.items()}
+
+    def remove_adapter(self, name: str) -> None:
+        self._adapters.pop(name, None)
+
+    @contextmanager
+    def _adapted(self, name: str | None):
+        """The model with the adapter merged in for one call, then its weights exactly as they were (calls run
+        one at a time: the backend holds the sampler's lock alone for a sampler without concurrent_generate)."""
+        if name is None:
+            yield
+            return
+        params = dict(self.model.named_parameters())
+        kept = {key: params[key].detach().clone() for key in self._adapters[name]}
+        try:
+            for key, delta in self._adapters[name].items():
+                params[key].add_(delta)
+            yield
+        finally:
+            for key, weight in kept.items():
+                params[key].copy_(weight)
 
     def abort_generation(self) -> bool:
         self._abort.set()
@@ -57,6 +90,10 @@ class TransformersSampler(Sampler):
 
     @torch.no_grad()
     def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
+        with self._adapted(sampling.adapter):
+            return self._generate(prompts, sampling, weight_version)
+
+    def _generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
         from transformers import GenerationConfig
 
         stop_ids = ([] if sampling.ignore_eos else self.eos_ids) + sampling.stop_token_ids

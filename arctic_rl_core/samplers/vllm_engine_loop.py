@@ -70,6 +70,8 @@ class _Request:
     """By vLLM's output index."""
     sample_indexes: list[int]
     """Each sample's index among its prompt's n."""
+    lora: Any = None
+    """vLLM's `LoRARequest` the request samples with (None: the model alone)."""
 
     @property
     def result(self) -> PromptResult:
@@ -104,13 +106,13 @@ class EngineLoop:
         self._put(("call", (fn, args, kwargs), done))
         return done.result()
 
-    def submit(self, prompts: list[dict], params, on_tokens: Callable | None = None) -> Future:
-        """Requests (vLLM token prompts, one `SamplingParams` for all) joining the running batch; the future
-        resolves to a `PromptResult` per prompt once every sample of every prompt has finished or was aborted.
-        `on_tokens(prompt index, sample index, token ids, log-probs)` hears of each step's new tokens (on the
-        loop's thread: it must return at once)."""
+    def submit(self, prompts: list[dict], params, on_tokens: Callable | None = None, lora=None) -> Future:
+        """Requests (vLLM token prompts, one `SamplingParams` for all, one `LoRARequest` or none) joining the running
+        batch; the future resolves to a `PromptResult` per prompt once every sample of every prompt has finished or
+        was aborted. `on_tokens(prompt index, sample index, token ids, log-probs)` hears of each step's new tokens
+        (on the loop's thread: it must return at once)."""
         done: Future = Future()
-        self._put(("add", (prompts, params, on_tokens), done))
+        self._put(("add", (prompts, params, on_tokens, lora), done))
         return done
 
     def abort_all(self) -> None:
@@ -229,7 +231,7 @@ class EngineLoop:
             self._abort(engine)
             done.set_result(None)
 
-    def _add(self, engine, prompts: list[dict], params, on_tokens: Callable | None, done: Future) -> None:
+    def _add(self, engine, prompts: list[dict], params, on_tokens: Callable | None, lora, done: Future) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         params = params.clone()
@@ -239,9 +241,9 @@ class EngineLoop:
         try:
             for index, (prompt, result) in enumerate(zip(prompts, call.results)):
                 request_id = f"arctic-{next(self._ids)}"
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
                 requests[request_id] = _Request(call, index, list(prompt["prompt_token_ids"]), params, result.samples,
-                                                list(range(params.n)))
+                                                list(range(params.n)), lora)
         except Exception as err:  # noqa: BLE001 -- a request vLLM refuses: none of the call's stays in the engine
             engine.abort_request(list(requests))
             done.set_exception(err)
@@ -310,8 +312,8 @@ class EngineLoop:
         for request, index in suspended:
             self._go_on(engine, request, index)
         deferred, self._deferred = self._deferred, []
-        for prompts, params, on_tokens, done in deferred:
-            self._add(engine, prompts, params, on_tokens, done)
+        for prompts, params, on_tokens, lora, done in deferred:
+            self._add(engine, prompts, params, on_tokens, lora, done)
 
     def _go_on(self, engine, request: _Request, index: int) -> None:
         """A cut sample continues as a request of its own: prompt + what it sampled, the rest of its budget."""
@@ -328,8 +330,9 @@ class EngineLoop:
             params.seed = (params.seed + done_tokens) % 2**63
         request_id = f"arctic-{next(self._ids)}"
         try:
-            engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids + sample.token_ids}, params)
+            engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids + sample.token_ids}, params,
+                               lora_request=request.lora)
         except Exception:  # noqa: BLE001 -- it cannot go on: it ends with what it has
             return self._finish(request.call, sample, "abort")
         self._requests[request_id] = _Request(request.call, request.prompt_index, request.prompt_ids, request.params,
-                                              [sample], [request.sample_indexes[index]])
+                                              [sample], [request.sample_indexes[index]], request.lora)

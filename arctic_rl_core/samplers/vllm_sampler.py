@@ -10,6 +10,7 @@ which is what the trainer computes with the `apply_temperature` post-processor.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -18,7 +19,7 @@ import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -26,6 +27,7 @@ from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.locks import SharedLock
+from arctic_rl_core.models.lora_files import lora_deltas
 from arctic_rl_core.models.rope_scaling import config_overrides, context_window
 from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 from arctic_rl_core.samplers.base import Sampler
@@ -42,6 +44,8 @@ log = logging.getLogger("arctic_rl.sampler")
 _EXTENSION = "arctic_rl_core.samplers.vllm_worker.WeightSyncExtension"
 _SYNC_TIMEOUT_S = 600
 _BROADCAST_PORT = 29600
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM's `max_lora_rank` may take: the served adapters' rank, rounded up."""
 
 
 @contextmanager
@@ -70,6 +74,9 @@ class VLLMSampler(Sampler):
     continuous_batching = True
     streams_tokens = True
     crosses_syncs = True  # a weight update cuts requests in flight and they go on under the new weights
+    # vLLM 0.32's LoRA logits take one row per request: prompt log-probs under an adapter fail inside its engine
+    # (and end it), so they are refused before they reach it.
+    scores_under_adapters = False
 
     def __init__(self, config: BackendConfig):
         from transformers import AutoConfig
@@ -95,13 +102,20 @@ class VLLMSampler(Sampler):
         if not self.cuda and sc.cpu_weight_layout == "plain":
             cpu_only["load_format"] = PLAIN_WEIGHTS_LOAD_FORMAT
         cascade = config.zorro.inference  # checked at start-up (deepspeed_engine.refuse_unsupported)
+        self.adapters = sc.adapters
+        self._loras: dict[str, Any] = {}
+        """name -> vLLM's LoRARequest (its int id new for every adapter added)."""
+        self._lora_ids = itertools.count(1)
+        lora = {} if not sc.adapters else {
+            "enable_lora": True, "max_loras": sc.adapters, "max_cpu_loras": 2 * sc.adapters,
+            "max_lora_rank": next(r for r in _VLLM_LORA_RANKS if r >= config.engine.lora.r)}
 
         engine_args = dict(
             model=config.model_path, dtype=sc.dtype or config.engine.dtype, seed=config.engine.seed,
             max_model_len=self.max_context, enable_prefix_caching=True, enforce_eager=not self.cuda,
             logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION,
             disable_log_stats=False,  # the engine's Prometheus metrics (`engine_metrics`, the server's /metrics)
-            enable_sleep_mode=sc.sleep_during_training, **memory,
+            enable_sleep_mode=sc.sleep_during_training, **memory, **lora,
             **{**cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}), **sc.engine_args,
                # the config refuses position keys in the user's hf_overrides
                "hf_overrides": {**sc.engine_args.get("hf_overrides", {}), **positions}},
@@ -190,12 +204,25 @@ class VLLMSampler(Sampler):
         with self._one_version.shared() if one_version else nullcontext():
             completions = self._generate(prompts, sampling, weight_version, on_tokens)
             if rescored:
-                self._model_logprobs(prompts, completions)
+                self._model_logprobs(prompts, completions, sampling.adapter)
         return completions
+
+    def add_adapter(self, name: str, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        lora_deltas(path, torch.float32)  # a readable adapter of the served kind, or refused now
+        self._loras[name] = LoRARequest(name, next(self._lora_ids), path)
+
+    def remove_adapter(self, name: str) -> None:
+        lora = self._loras.pop(name, None)
+        if lora is not None:
+            self._loop.call(self.llm.llm_engine.remove_lora, lora.lora_int_id)
 
     def _generate(self, prompts, sampling: SamplingParams, weight_version: int, on_tokens) -> list[Completion]:
         heard = None if on_tokens is None else lambda prompt, sample, tokens, _: on_tokens(prompt, sample, tokens)
-        results = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling), heard).result()
+        lora = self._loras[sampling.adapter] if sampling.adapter is not None else None
+        results = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling), heard,
+                                    lora).result()
         completions = []
         for index, result in enumerate(results):
             for sample in result.samples:
@@ -217,23 +244,26 @@ class VLLMSampler(Sampler):
                 )
         return completions
 
-    def _model_logprobs(self, prompts, completions: list[Completion]) -> None:
+    def _model_logprobs(self, prompts, completions: list[Completion], adapter: str | None) -> None:
         """vLLM reports the log-probs of the distribution it sampled from: after penalties, min_tokens' mask and
         truncation, renormalised over the tokens it kept; the trainer computes the model's own. At temperature 1
         (the backend refuses another but 0, where they are the temperature-1 ones too) the sampled tokens are
         scored again, by one prefill of each (prefix-cached) sequence, so the behaviour log-probs are the
         model's, as the trainer's are (`Completion.top_logprobs` stay vLLM's)."""
         scored = [i for i, c in enumerate(completions) if c.token_ids]
-        plain = self.score([(list(prompts[completions[i].prompt_index]), completions[i].token_ids) for i in scored])
+        plain = self.score([(list(prompts[completions[i].prompt_index]), completions[i].token_ids) for i in scored],
+                           adapter)
         for i, logprobs in zip(scored, plain):
             completions[i].logprobs = logprobs
 
-    def score(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    def score(self, sequences: list[tuple[list[int], list[int]]], adapter: str | None = None) -> list[list[float]]:
         from vllm import SamplingParams as VLLMParams
 
         params = VLLMParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        lora = self._loras[adapter] if adapter is not None else None
         with self._one_version.shared():
-            outputs = self._loop.submit([{"prompt_token_ids": p + r} for p, r in sequences], params).result()
+            outputs = self._loop.submit([{"prompt_token_ids": p + r} for p, r in sequences], params, None,
+                                        lora).result()
         scores = []
         for (prompt, response), out in zip(sequences, outputs):
             if out.prompt_logprobs is None:

@@ -11,8 +11,10 @@ for, and is refused once a later sync has replaced it (never silently sampled fr
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
+import shutil
 import time
 import uuid
 from contextlib import contextmanager
@@ -39,6 +41,8 @@ from arctic_rl_core.validation import parse
 PREFIX = TINKER_PREFIX.rstrip("/")
 MAX_SESSIONS = 256
 MAX_SAMPLERS = 1024
+ADAPTERS_PER_MODEL = 4
+"""Adapters served per model the server trains at once: an RL loop saves one per step and samples the newest."""
 SESSION_TIMEOUT_S = 60.0
 """A session not heard from for this long (the SDK heartbeats every 10 s) no longer holds its models."""
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -64,9 +68,18 @@ class Session:
 
 
 @dataclass
+class SamplerWeights:
+    """What a `save_weights_for_sampler` made: the sampler's weights at `version`, or, where the sampler serves
+    tenants' adapters, `adapter` on its base model (version 0)."""
+    tenant: str
+    version: int
+    adapter: str | None = None
+
+
+@dataclass
 class Sampler:
     session_id: str
-    weight_version: int
+    weights: SamplerWeights
     model_path: str | None
 
 
@@ -82,8 +95,10 @@ class TinkerState:
     sessions: dict[str, Session] = field(default_factory=dict)
     models: dict[str, TinkerModel] = field(default_factory=dict)
     samplers: dict[str, Sampler] = field(default_factory=dict)
-    sampler_paths: dict[str, tuple[str, int]] = field(default_factory=dict)
-    """tinker://.../sampler_weights/<name> -> the tenant that saved it and the weight version saved under it."""
+    sampler_paths: dict[str, SamplerWeights] = field(default_factory=dict)
+    """tinker://.../sampler_weights/<name> -> what was saved under it."""
+    adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """Adapters the sampler serves, oldest first: name -> the model that saved it, and its folder."""
     futures: FutureTable = field(default_factory=FutureTable)
 
 
@@ -111,6 +126,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return serving.model_name(api)
 
     residency = Residency(os.path.join(checkpoint_root, "tinker", ".parked")) if state.max_models > 1 else None
+    adapter_ids = itertools.count(1)
 
     def tenant(request: Request) -> str:
         return tenant_of(request, state.keys)
@@ -189,11 +205,12 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             return handler
         return register
 
-    def checkpoint_dir(who: str, model_id: str, name: Any) -> str:
-        """A tenant's checkpoints lie under its own folder: a path of another's names nothing there."""
+    def checkpoint_dir(who: str, model_id: str, name: Any, kind: str = "weights") -> str:
+        """A tenant's checkpoints (`weights`) and adapters for the sampler (`sampler_weights`) lie under its own
+        folder: a path of another's names nothing there."""
         if not isinstance(name, str) or not _NAME.match(name):
             raise InvalidRequest("path", f"{name!r} is not a checkpoint name (1-128 of A-Z a-z 0-9 . _ -)")
-        return confine(checkpoint_root, os.path.join("tinker", who, model_id.replace(":", "_"), name))
+        return confine(checkpoint_root, os.path.join("tinker", who, model_id.replace(":", "_"), kind, name))
 
     # -- session ------------------------------------------------------------------------------------------
 
@@ -335,8 +352,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         api = api_of()
         path = body.get("tinker_path")
         match = _TINKER_PATH.match(path if isinstance(path, str) else "")
-        if match is None or not (state.sampler_paths.get(path, ("",))[0] == who or os.path.isdir(
-                checkpoint_dir(who, match.group("model"), match.group("name")))):
+        saved = state.sampler_paths.get(path) if isinstance(path, str) else None
+        if match is None or not (saved is not None and saved.tenant == who or match.group("kind") == "weights" and
+                                 os.path.isdir(checkpoint_dir(who, match.group("model"), match.group("name")))):
             raise NotFound("tinker_path", f"no checkpoint {path!r} on this server")
         rank = lora_rank(api)
         return {"base_model": model_name(api), "is_lora": rank is not None, "lora_rank": rank}
@@ -419,29 +437,61 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     # -- weights ------------------------------------------------------------------------------------------
 
-    def new_sampler(session_id: str, version: int, path: str | None) -> str:
+    def new_sampler(session_id: str, weights: SamplerWeights, path: str | None) -> str:
         sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:12]}"
-        state.samplers[sampler_id] = Sampler(session_id, version, path)
+        state.samplers[sampler_id] = Sampler(session_id, weights, path)
         while len(state.samplers) > MAX_SAMPLERS:  # an RL run makes one per step: the oldest go
             del state.samplers[next(iter(state.samplers))]
         return sampler_id
+
+    def serves_adapters(api) -> bool:
+        """Time-shared models sample through their own adapters where the sampler serves them; otherwise a save
+        syncs the model's weights to the sampler, replacing what another model saved."""
+        return residency is not None and api.sampler.adapters > 0
+
+    def retire_adapters(api, model_id: str) -> None:
+        """A model's adapters beyond its newest few are no longer served (their sampling sessions are refused), nor,
+        past a few per model the server trains at once, those of models that left, oldest first."""
+        own = [name for name, (saved_by, _) in state.adapters.items() if saved_by == model_id]
+        gone = [name for name, (saved_by, _) in state.adapters.items() if saved_by not in state.models]
+        excess = max(0, len(state.adapters) - len(own[:-ADAPTERS_PER_MODEL]) - ADAPTERS_PER_MODEL * state.max_models)
+        for name in own[:-ADAPTERS_PER_MODEL] + gone[:excess]:
+            _, folder = state.adapters.pop(name)
+            api.remove_adapter(name)
+            shutil.rmtree(folder, ignore_errors=True)
 
     @training_call("save_weights_for_sampler")
     def save_weights_for_sampler(body: dict, who: str) -> dict:
         api, model = api_of(), owned_model(body.get("model_id"), who)
         name = body.get("path")
         if name is not None:
-            checkpoint_dir(who, model.model_id, name)  # the name is checked now: the call fails before it runs
+            checkpoint_dir(who, model.model_id, name, "sampler_weights")  # checked now: the call fails before it runs
 
-        def settle(version: int) -> dict:
-            path = f"tinker://{model.model_id}/sampler_weights/{name if name is not None else f'v{version}'}"
-            state.sampler_paths[path] = (who, version)
+        def settle(weights: SamplerWeights) -> dict:
+            label = name if name is not None else f"v{weights.version}" if weights.adapter is None else \
+                weights.adapter.rsplit("/", 1)[1]
+            path = f"tinker://{model.model_id}/sampler_weights/{label}"
+            state.sampler_paths[path] = weights
             answer = {"type": "save_weights_for_sampler", "path": path}
             if name is None:  # the SDK's ephemeral save: it samples through the session made here
-                answer["sampling_session_id"] = new_sampler(model.session_id, version, path)
+                answer["sampling_session_id"] = new_sampler(model.session_id, weights, path)
             return answer
 
-        return ordered(model, body.get("seq_id"), JSONResponse, api.sync_weights, settle)
+        if not serves_adapters(api):
+            return ordered(model, body.get("seq_id"), JSONResponse, lambda: SamplerWeights(who, api.sync_weights()),
+                           settle)
+        label = f"a{next(adapter_ids)}"  # each save its own folder: a name saved again never rewrites a served one
+        folder = checkpoint_dir(who, model.model_id, label, "sampler_weights")
+
+        def save_adapter() -> SamplerWeights:
+            adapter = f"{model.model_id}/{label}"
+            api.save_adapter(folder)
+            api.add_adapter(adapter, folder)
+            state.adapters[adapter] = (model.model_id, folder)
+            retire_adapters(api, model.model_id)
+            return SamplerWeights(who, 0, adapter)
+
+        return ordered(model, body.get("seq_id"), JSONResponse, save_adapter, settle)
 
     @training_call("save_weights")
     def save_weights(body: dict, who: str) -> dict:
@@ -494,14 +544,14 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         session_id = session(body.get("session_id"), who)
         path, base = body.get("model_path"), body.get("base_model")
         if path is not None:
-            saved_by, version = state.sampler_paths.get(path, ("", 0)) if isinstance(path, str) else ("", 0)
-            if saved_by != who:
+            weights = state.sampler_paths.get(path) if isinstance(path, str) else None
+            if weights is None or weights.tenant != who:
                 raise NotFound("model_path", f"no sampler weights {path!r} on this server")
         else:
             if base is not None and base != model_name(api):
                 raise InvalidRequest("base_model", f"this server samples {model_name(api)!r}, not {base!r}")
-            version = 0  # the base model: the job's initial weights
-        return {"type": "create_sampling_session", "sampling_session_id": new_sampler(session_id, version, path)}
+            weights = SamplerWeights(who, 0)  # the base model: the job's initial weights
+        return {"type": "create_sampling_session", "sampling_session_id": new_sampler(session_id, weights, path)}
 
     def owned_sampler(sampler_id: Any, who: str, field_name: str) -> Sampler:
         sampler = state.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
@@ -547,7 +597,12 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                  if stop == [] else {"stop_token_ids": stop} if all(isinstance(s, int) for s in stop) else {"stop": stop})
         with_prompt = bool(body.get("prompt_logprobs"))
         scored = with_prompt or topk["topk_prompt_logprobs"] > 0
+        adapter = sampler.weights.adapter
+        if adapter is not None and adapter not in state.adapters:
+            raise InvalidRequest("sampling_session_id", "its weights were saved for the sampler too long ago and are "
+                                 "no longer served: save weights for the sampler again")
         sampling = parse(SamplingParams, {**params, **stops, "n": num_samples, "max_tokens": max_tokens,
+                                          "adapter": adapter,
                                           "top_k": max(top_k, 0), "logprobs": topk["topk_sample_logprobs"],
                                           "prompt_logprobs": topk["topk_prompt_logprobs"] if scored else None},
                          "sampling_params")
@@ -559,11 +614,11 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                             err.message) from None
 
         async def work():
-            if api.weight_version != sampler.weight_version:
-                raise InvalidRequest("sampling_session_id", f"its weights (version {sampler.weight_version}) were "
+            if api.weight_version != sampler.weights.version:
+                raise InvalidRequest("sampling_session_id", f"its weights (version {sampler.weights.version}) were "
                                      f"replaced by version {api.weight_version}: save weights for the sampler again")
             completions = await serving.generate(api, job.reads, [prompt], sampling)
-            stale = [c.weight_version for c in completions if c.weight_version != sampler.weight_version]
+            stale = [c.weight_version for c in completions if c.weight_version != sampler.weights.version]
             if stale:
                 raise InvalidRequest("sampling_session_id", f"a weight sync (version {stale[0]}) crossed this sample")
             return completions

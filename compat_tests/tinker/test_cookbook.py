@@ -8,26 +8,24 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from dataclasses import dataclass
-from pathlib import Path
+import subprocess
+import sys
 
 import chz
 import pytest
 import tinker
 from tinker_cookbook.rl import train as rl_train
-from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
 from tinker_cookbook.supervised import train as sl_train
 from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatasetBuilder
 
-from compat_tests.main_server import serving_light, tiny_qwen3
+from compat_tests.main_server import serving, serving_light, tiny_qwen3
+from compat_tests.tinker.low_tokens import metrics, rl_config, rl_rewards
 
 # As a user of the SDK sets it; a loopback server without a token takes any (the SDK insists on the prefix).
 os.environ.setdefault("TINKER_API_KEY", "tml-loopback")
 # The job's optimizer is the one the cookbook's AdamParams ask for (its defaults: betas 0.9/0.95, eps 1e-8, no
 # gradient clipping); the server refuses any other.
 ENGINE = {"learning_rate": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "grad_clip": None}
-VOCAB_HALF = 256
-"""Tokens below this id earn the RL task's reward."""
 
 
 @pytest.fixture(scope="module")
@@ -44,65 +42,44 @@ def server(tiny_model, tmp_path):
         yield url
 
 
-def metrics(log_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
-
-
-class LowTokensEnv(Env):
-    def __init__(self, prompt: tuple[int, ...]):
-        self.prompt = prompt
-
-    async def initial_observation(self):
-        return tinker.ModelInput.from_ints(list(self.prompt)), []  # no stop: every sample is max_tokens long
-
-    async def step(self, action, *, extra=None):
-        return StepResult(reward=sum(t < VOCAB_HALF for t in action) / max(len(action), 1), episode_done=True,
-                          next_observation=tinker.ModelInput.empty(), next_stop_condition=[])
-
-
-@dataclass(frozen=True)
-class LowTokensGroup(EnvGroupBuilder):
-    prompt: tuple[int, ...]
-    group_size: int
-
-    async def make_envs(self):
-        return [LowTokensEnv(self.prompt) for _ in range(self.group_size)]
-
-    def logging_tags(self) -> list[str]:
-        return ["low_tokens"]
-
-
-class LowTokensDataset(RLDataset):
-    def __init__(self, batches: int, groups: int, group_size: int):
-        self.batches, self.groups, self.group_size = batches, groups, group_size
-
-    def get_batch(self, index: int):
-        return [LowTokensGroup(prompt=(11, 12, 13 + g, 14 + index), group_size=self.group_size) for g in range(self.groups)]
-
-    def __len__(self) -> int:
-        return self.batches
-
-
-@chz.chz
-class LowTokensBuilder(RLDatasetBuilder):
-    batches: int = 10
-    groups: int = 4
-    group_size: int = 8
-
-    async def __call__(self):
-        return LowTokensDataset(self.batches, self.groups, self.group_size), None
-
-
 def test_cookbook_rl_loop_raises_the_reward(server, tiny_model, tmp_path):
-    config = rl_train.Config(learning_rate=2e-2, dataset_builder=LowTokensBuilder(), model_name=tiny_model,
-                             recipe_name="arctic_rl_compat", max_tokens=12, log_path=str(tmp_path / "rl"),
-                             base_url=server, eval_every=0, save_every=0, lora_rank=32)
-    asyncio.run(rl_train.main(config))
-    rows = [row for row in metrics(tmp_path / "rl") if "env/all/reward/total" in row]
-    rewards = [row["env/all/reward/total"] for row in rows]
+    asyncio.run(rl_train.main(rl_config(server, tiny_model, tmp_path / "rl", learning_rate=2e-2)))
+    rewards = rl_rewards(tmp_path / "rl")
     assert len(rewards) == 10, rewards
     # From about 0.5 (a random model's share) to about 0.8 in three runs; the bound leaves room for sampling's luck.
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
+
+
+TENANTS = 3
+
+
+def test_three_tenants_run_the_cookbook_rl_loop_at_once_on_one_base_model(tiny_model, tmp_path):
+    """Three users, each with their own API key, run the cookbook's RL loop at the same time against one server:
+    LoRA adapters of one base model time-sharing the trainer, each sampled through vLLM's multi-LoRA."""
+    keys = {f"tenant{k}": f"tml-tenant{k}-0123456789" for k in range(TENANTS)}
+    (tmp_path / "keys.json").write_text(json.dumps(keys))
+    (tmp_path / "server").mkdir()
+    # The output head is adapted too: the tiny model's random head keeps its logits near zero, and adapters of the
+    # layers below alone barely move its distribution (the reward stays near 0.5).
+    lora = {"r": 32, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj", "lm_head"]}
+    job = {"model_path": tiny_model, "engine": {**ENGINE, "lora": lora},
+           "sampler": {"name": "vllm", "adapters": TENANTS, "kv_cache_mb": 256}}
+    with serving(job, tmp_path / "server", "--checkpoint-dir", str(tmp_path / "server" / "checkpoints"),
+                 "--tinker-tenants", str(TENANTS), "--tinker-keys", str(tmp_path / "keys.json")) as url:
+        loops = [subprocess.Popen([sys.executable, "-m", "compat_tests.tinker.low_tokens", url, tiny_model,
+                                   str(tmp_path / name), "4e-2"], env={**os.environ, "TINKER_API_KEY": key},
+                                  stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w"))
+                 for name, key in keys.items()]
+        for loop, name in zip(loops, keys):
+            assert loop.wait(timeout=900) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    for name in keys:
+        rewards = rl_rewards(tmp_path / name)
+        assert len(rewards) == 10, (name, rewards)
+        assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, (name, rewards)
+        # Each tenant sampled its own adapter: the sampler's log-probs are its trainer's (the cookbook's own check).
+        kl = [row["optim/kl_sample_train_v1"] for row in metrics(tmp_path / name) if "optim/kl_sample_train_v1" in row]
+        assert len(kl) == 10 and max(map(abs, kl)) < 1e-4, (name, kl)
 
 
 class FixedRows(SupervisedDataset):
