@@ -11,6 +11,11 @@ from arctic_rl_core.errors import InvalidRequest
     ({"sampler": {"name": "transformers", "replicas": 2, "sync": "file"}}, "config.sampler.sync", "not file"),
     ({"model_path": "/nonexistent/model", "engine": {"ranks": 2}}, "model_path", "not a directory"),
     ({"placement": "side_by_side", "engine": {"ranks": 2}}, "config.placement", "colocated"),
+    ({"sampler": {"name": "transformers", "adapters": 2}}, "config.sampler", "set engine.lora"),
+    ({"engine": {"lora": {"r": 4}}, "sampler": {"replicas": 2, "adapters": 2}}, "config.sampler.adapters",
+     "replicas 1"),
+    ({"engine": {"lora": {"r": 4}}, "sampler": {"adapters": 2}, "zorro": {"inference": True}}, "config.zorro",
+     "sampler.adapters"),
 ])
 def test_refused_before_any_actor_or_ray_starts(tiny_model, change, field, words):
     import ray
