@@ -114,6 +114,26 @@ def test_three_tenants_at_once_each_train_as_they_would_alone(shared, tiny_model
     assert plain == pytest.approx(alone["alice"], rel=1e-5)
 
 
+def test_the_jobs_own_calls_see_its_policy_while_tenants_train(shared):
+    arctic = ArcticRLClient(shared, token=TOKEN, retries=0)
+    rows = [{"prompt_ids": [11, 12, 13], "response_ids": [14, 15, 16, 17]}]
+    before, digest = arctic.log_probs(rows).logprobs, arctic.state_digest()
+    with tinker.ServiceClient(base_url=shared, api_key=KEYS["alice"]) as service:
+        tc = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+        for _ in range(2):
+            tc.forward_backward(data("alice"), "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+        tc.forward_backward(data("alice"), "cross_entropy").result()  # gradients left pending
+        trained = tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"]
+        # The training API's calls on the policy get the job's own, not alice's model the engine held...
+        assert arctic.log_probs(rows).logprobs == before
+        assert arctic.state_digest() == digest
+        # ...and alice's model, pending gradients and all, is back for her next calls.
+        assert tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"] == trained
+        tc.optim_step(ADAM).result()
+        assert tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"] < trained
+
+
 def raw(url: str, key: str, route: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/api/v1/{route}", json=body, headers={"X-API-Key": key}, timeout=60)
 

@@ -90,6 +90,9 @@ class JobState:
     requests: RequestLog = field(default_factory=RequestLog)
     buffers: BufferPool | None = None
     shutdown: Callable[[], None] | None = None
+    own_policy: Callable[[], None] | None = None
+    """Run on the ordered worker before the training API's calls on the policy: where Tinker's models time-share
+    the engine, it brings the job's own policy back into it."""
 
 
 class NoJob(ArcticRLError):
@@ -311,11 +314,17 @@ def create_app(settings: ServerSettings, backend_factory: Callable[[BackendConfi
                 settings.limits.check(route.name, query)
                 if isinstance(query, CheckpointRequest):
                     query.path = confine(checkpoint_root, query.path)
-                if route.ordered:
+                # The trainer's log-probs read the engine's weights: where others' may be in it, they wait their turn.
+                if route.ordered or route.name == "log_probs" and job.own_policy is not None:
                     request_id = request.headers.get(REQUEST_ID_HEADER)
 
+                    def invoke(api, query):
+                        if job.own_policy is not None:
+                            job.own_policy()
+                        return route.invoke(api, query)
+
                     async def apply():
-                        return await asyncio.wrap_future(reader.read_by(job.ordered.submit(route.invoke, job.api, query)))
+                        return await asyncio.wrap_future(reader.read_by(job.ordered.submit(invoke, job.api, query)))
 
                     if request_id:
                         fingerprint = hashlib.sha256(route.name.encode() + body).hexdigest()

@@ -34,7 +34,7 @@ from arctic_rl_core.server.security import TINKER_PREFIX, confine
 from arctic_rl_core.tinker import wire
 from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
 from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
-from arctic_rl_core.tinker.tenants import Residency, tenant_of
+from arctic_rl_core.tinker.tenants import JOB, Residency, tenant_of
 from arctic_rl_core.types import MAX_TOP_LOGPROBS, LossSpec, SamplingParams, Sequence
 from arctic_rl_core.validation import parse
 
@@ -126,6 +126,8 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return serving.model_name(api)
 
     residency = Residency(os.path.join(checkpoint_root, "tinker", ".parked")) if state.max_models > 1 else None
+    if residency is not None:
+        job.own_policy = lambda: residency.enter(job.api, JOB)
     adapter_ids = itertools.count(1)
 
     def tenant(request: Request) -> str:
