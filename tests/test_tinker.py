@@ -91,9 +91,11 @@ def test_forward_reports_the_loss_forward_backward_differentiates(server, arctic
     rl = [datum(d.model_input.to_ints() + [int(d.loss_fn_inputs["target_tokens"].data[-1])],
                 logprobs=[-3.0 + 0.1 * k for k in range(d.model_input.length)],
                 advantages=[0.0, 0.0] + [(-1.0) ** k for k in range(d.model_input.length - 2)]) for d in data]
+    masked = [types.Datum(model_input=d.model_input, loss_fn_inputs={
+        **d.loss_fn_inputs, "sequence_ratio_mask": [0.0, 0.0] + [1.0] * (d.model_input.length - 2)}) for d in rl]
     cases = [("cross_entropy", data, None), ("importance_sampling", rl, None),
              ("ppo", rl, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}), ("cispo", rl, None),
-             ("dro", rl, {"beta": 0.05})]
+             ("dro", rl, {"beta": 0.05}), ("gspo", masked, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})]
     with service(server) as sc:
         tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
         digest = arctic.state_digest()
@@ -162,6 +164,63 @@ def test_each_tinker_loss_is_its_documented_definition(name, config):
         assert (ratio > high).any() and ((ratio > low) & (ratio < high)).any()
 
 
+def documented_gspo(logp: torch.Tensor, q: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                    lengths: list[int], low: float, high: float) -> torch.Tensor:
+    """Tinker's GSPO as its docs write it, one datum at a time: every token carries its sequence's ratio (the
+    geometric mean over the masked positions) with its own log-prob's gradient, clipped as PPO's."""
+    total, start = 0.0, 0
+    for n in lengths:
+        lp, ref, adv = logp[start:start + n], q[start:start + n], advantages[start:start + n]
+        in_ratio = mask[start:start + n] != 0
+        log_ratio = (lp.detach() - ref)[in_ratio].mean()
+        ratio = torch.exp(log_ratio + lp - lp.detach())
+        total = total - torch.min(ratio * adv, torch.clamp(ratio, low, high) * adv).sum()
+        start += n
+    return total
+
+
+def test_gspo_is_its_documented_definition():
+    gen = torch.Generator().manual_seed(1)
+    lengths = [9, 5, 12, 7, 6, 10]
+    # Each datum's sampler log-probs shifted by its own offset: sequence ratios below, inside and above the bounds.
+    offsets = torch.cat([torch.full((n,), off) for n, off in zip(lengths, (0.3, -0.25, 0.01, 0.15, -0.02, -0.4))])
+    logp = -torch.rand(sum(lengths), generator=gen, dtype=torch.float64).float() * 4
+    q = logp + offsets + torch.empty_like(logp).uniform_(-0.05, 0.05, generator=gen)
+    # The first two positions of each datum (its prompt) are outside the ratio's mask and have no advantage.
+    mask = torch.cat([torch.tensor([0.0, 0.0] + [1.0] * (n - 2)) for n in lengths])
+    advantages = torch.randn(logp.shape, generator=gen) * mask
+    low, high = 0.9, 1.1
+    sequences, arrays, start = [], [], 0
+    for n in lengths:
+        sequences.append(Sequence(prompt_ids=[1], response_ids=list(range(2, 2 + n))))
+        arrays.append({"logprobs": q[start:start + n].numpy(), "advantages": advantages[start:start + n].numpy(),
+                       "sequence_ratio_mask": mask[start:start + n].numpy()})
+        start += n
+    spec = loss_spec("gspo", {"clip_low_threshold": low, "clip_high_threshold": high})
+    entry = load_plugins().losses.get(spec.name, "loss")
+    ours_logp = logp.clone().requires_grad_()
+    ours, _ = entry.fn({"logprobs": ours_logp}, batch_loss_inputs(with_loss_inputs("gspo", sequences, arrays), 0),
+                       entry.parse_config(spec.config, "config"))
+    ours.backward()
+    theirs_logp = logp.clone().requires_grad_()
+    theirs = documented_gspo(theirs_logp, q, advantages, mask, lengths, low, high)
+    theirs.backward()
+    assert float(ours.detach()) == pytest.approx(float(theirs.detach()), rel=1e-5, abs=1e-6)
+    assert torch.allclose(ours_logp.grad, theirs_logp.grad, rtol=1e-5, atol=1e-6)
+    # The sequence ratios fell below, inside and above the clip range.
+    ratios = [float(torch.exp(-torch.tensor(off))) for off in (0.3, -0.25, 0.01, 0.15, -0.02, -0.4)]
+    assert min(ratios) < low and max(ratios) > high and any(low < r < high for r in ratios)
+    # What the server cannot compute as Tinker does is refused by name.
+    with pytest.raises(InvalidRequest, match="loss_fn_config.clip_high_threshold"):
+        loss_spec("gspo", {"clip_low_threshold": low})
+    outside = [{**arrays[0], "advantages": np.ones_like(arrays[0]["advantages"])}]
+    with pytest.raises(InvalidRequest, match=r"data\[0\].loss_fn_inputs.advantages"):
+        with_loss_inputs("gspo", sequences[:1], outside)
+    with pytest.raises(InvalidRequest, match=r"data\[0\].loss_fn_inputs.sequence_ratio_mask"):
+        with_loss_inputs("gspo", sequences[:1], [{**arrays[0], "sequence_ratio_mask": np.zeros(9, np.float32),
+                                                  "advantages": np.zeros(9, np.float32)}])
+
+
 def test_sampling_follows_the_saved_weights_and_refuses_replaced_ones(server, arctic):
     with service(server) as sc:
         tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
@@ -206,7 +265,9 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
     with service(server) as sc:
         tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
         digest = arctic.state_digest()
-        with pytest.raises(tinker.BadRequestError, match="loss_fn.*'gspo' is not supported"):
+        with pytest.raises(tinker.BadRequestError, match="loss_fn.*'stable_reinforce' is not supported"):
+            tc.forward_backward(data, "stable_reinforce").result()
+        with pytest.raises(tinker.BadRequestError, match="loss_fn_config.clip_low_threshold.*is required by gspo"):
             tc.forward_backward(data, "gspo").result()
         shifted = types.Datum(model_input=types.ModelInput.from_ints([11, 12, 13]),
                               loss_fn_inputs={"target_tokens": [12, 99, 14], "weights": [1.0, 1.0, 1.0]})
