@@ -4,6 +4,7 @@ current weight version; a placement the cluster cannot satisfy fails naming the 
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +17,7 @@ from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.server.app import ServerSettings
 from arctic_rl_core.server.run import ServerThread
 from arctic_rl_core.types import SamplingParams
-from tests.vllm_scenarios import engine_metrics
+from tests.vllm_scenarios import _wait_until, engine_metrics
 
 # One Ray cluster at a time: `make scenarios` keeps the files that start one on the same worker.
 pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("ray")]
@@ -75,6 +76,28 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
                 for row in status["sampler"]] == [(0, 0, True, 1), (1, 1, True, 1)]
         assert len({row["pid"] for row in status["trainer"] + status["sampler"]}) == 4
 
+        # A sync while the pool samples: it waits for no call in flight; every sample goes on under the new weights,
+        # its replica recording which version sampled which token, and the new span is the new weights' model.
+        assert api.describe()["crosses_syncs"]
+        api.fwd_bwd(seqs, "grpo")
+        api.step()
+        box, prompts = {}, [PROMPTS[1], PROMPTS[3], PROMPTS[5], [40, 41, 42]]
+        running = threading.Thread(target=lambda: box.setdefault("out", api.generate(
+            prompts, {"n": 2, "max_tokens": 120, "ignore_eos": True})))
+        running.start()
+        _wait_until(lambda: sum(n > 0 for slot in api.sampler._slots  # every sample has its first tokens
+                                for n in ray.get(slot.actor.samples_in_flight.remote())) == 8)
+        assert api.sync_weights() == 2
+        running.join(300)
+        crossed = box["out"]
+        assert len(crossed) == 8 and {len(c.token_ids) for c in crossed} == {120}
+        assert all(c.token_versions is not None and set(c.token_versions) == {1, 2}
+                   and c.token_versions == sorted(c.token_versions) for c in crossed)
+        at_v2 = api.log_probs([{"prompt_ids": prompts[c.prompt_index], "response_ids": c.token_ids}
+                               for c in crossed]).logprobs
+        assert max(abs(a - b) for c, t in zip(crossed, at_v2)
+                   for a, b, v in zip(c.logprobs, t, c.token_versions) if v == 2) < 1e-3
+
         # A replica's vLLM engine takes concurrent calls into one running batch: a short call sent after a long
         # one on the same replica returns first.
         replica = api.sampler._slots[0].actor
@@ -97,7 +120,7 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
                 answers = list(threads.map(ask, range(len(PROMPTS))))
             for i, answer in enumerate(answers):
                 [choice] = answer["choices"]
-                assert choice["weight_versions"][0]["version"] == "1"
+                assert choice["weight_versions"][0]["version"] == "2"
                 assert all(len(top) >= 2 for top in choice["logprobs"]["top_logprobs"])
                 [turn] = api.episode(f"s{i}").turns
                 assert (turn.prompt_ids, turn.token_ids) == (PROMPTS[i], choice["token_ids"])

@@ -50,11 +50,20 @@ class SamplerReplica:
     def facts(self) -> dict:
         return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
                 "sync_route": self.sampler.sync_route, "exact_reshaped_logprobs": self.sampler.exact_reshaped_logprobs,
-                "continuous_batching": self.sampler.continuous_batching,
+                "continuous_batching": self.sampler.continuous_batching, "crosses_syncs": self.sampler.crosses_syncs,
                 "unsupported_sampling": sorted(self.sampler.unsupported_sampling)}
 
     def _call(self):
         return self._busy.shared() if self.sampler.concurrent_generate else self._busy
+
+    def samples_in_flight(self) -> list[int]:
+        """Tokens so far of each sample its engine is sampling now (none where the sampler does not say)."""
+        return self.sampler.samples_in_flight() if hasattr(self.sampler, "samples_in_flight") else []
+
+    def _load(self):
+        """A sampler that crosses syncs takes new weights under the calls in flight, which go on under them;
+        another waits for them."""
+        return self._busy.shared() if self.sampler.crosses_syncs else self._busy
 
     def generate(self, prompts, sampling: SamplingParams) -> list[Completion]:
         with self._call():
@@ -98,7 +107,7 @@ class SamplerReplica:
 
         def load():
             try:
-                with self._busy:
+                with self._load():
                     self._loaded = (self.sampler.load_weights(stream(), version), None)
             except BaseException as err:  # reported by end_load
                 self._loaded = (None, err)
@@ -132,7 +141,7 @@ class SamplerReplica:
         # Copies: a sampler may hold on to tensors across buckets (vLLM checks names and shapes on first sync).
         buckets = receive_buckets(self._group, self, copy=True)
         try:
-            with self._busy:
+            with self._load():
                 count = self.sampler.load_weights(buckets, version)
         finally:
             buckets.close()

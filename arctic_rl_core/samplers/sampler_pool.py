@@ -424,6 +424,12 @@ class SamplerPool(Sampler):
     def continuous_batching(self) -> bool:
         return all(slot.facts.get("continuous_batching", False) for slot in self._slots)
 
+    @property
+    def crosses_syncs(self) -> bool:
+        """Every replica takes a sync under its calls in flight (vLLM's): so does the pool, each completion's
+        `token_versions` as its replica recorded them."""
+        return all(slot.facts.get("crosses_syncs", False) for slot in self._slots)
+
     def abort_generation(self) -> bool:
         """Every live replica ends the engine call it runs; False if one could not be reached."""
         import ray

@@ -145,6 +145,11 @@ class EngineLoop:
         return self.call(lambda: [Sample(list(r.samples[i].token_ids), versions=list(r.samples[i].versions))
                                   for r, i in self._suspended])
 
+    def samples_in_flight(self) -> list[int]:
+        """How many tokens each unfinished sample in the running batch has so far."""
+        return self.call(lambda: [len(s.token_ids) for r in self._requests.values() for s in r.samples
+                                  if s.finish_reason is None])
+
     @property
     def in_flight(self) -> int:
         """Requests (prompts, or cut samples going on) the engine is running for callers."""

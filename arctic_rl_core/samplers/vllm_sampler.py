@@ -195,6 +195,10 @@ class VLLMSampler(Sampler):
         """Prompts the engine is sampling for callers now."""
         return self._loop.in_flight
 
+    def samples_in_flight(self) -> list[int]:
+        """Tokens so far of each sample the engine is sampling now."""
+        return self._loop.samples_in_flight()
+
     def generate(self, prompts, sampling: SamplingParams, weight_version: int,
                  on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Completion]:
         """`on_tokens(prompt index, sample index, token ids)` hears of each engine step's new tokens (on the
