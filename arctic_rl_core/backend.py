@@ -441,8 +441,9 @@ class InProcessBackend(TrainingAPI):
         deterministic computation, in the same order)."""
         with self._train_lock, self._weights_lock:
             self.engine.load(path, trainable_only=True)
-            for call in calls:
-                self.engine.forward_backward(*call)
+            with self._sampler_asleep():
+                for call in calls:
+                    self.engine.forward_backward(*call)
             self._accumulated = list(calls)
 
     def sync_weights(self) -> int:
@@ -465,7 +466,9 @@ class InProcessBackend(TrainingAPI):
                 self.critic.save(os.path.join(path, CRITIC_DIR), {})
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
-    def load_checkpoint(self, path: str) -> CheckpointInfo:
+    def load_checkpoint(self, path: str, publish: bool = True) -> CheckpointInfo:
+        """`publish=False` restores the training state and leaves the sampler's weights and version as they are
+        (a Tinker model time-sharing the engine: the sampler holds another timeline's weights)."""
         if not isinstance(path, str) or not path:
             raise InvalidRequest("path", "must be a directory path")
         with self._train_lock, self._critic_lock, self._weights_lock, self._sampler_lock:
@@ -476,6 +479,8 @@ class InProcessBackend(TrainingAPI):
                 self.critic.load(os.path.join(path, CRITIC_DIR))
                 self._critic_accumulated.clear()
             self._accumulated.clear()
+            if not publish:
+                return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
             # Weights stepped after the checkpoint's last sync were never published: they get a new version.
             unpublished = self.engine.steps != int(state.get("synced_step", self.engine.steps))
             version = int(state.get("weight_version", 0)) + int(unpublished)

@@ -273,6 +273,10 @@ class BackendConfig(_Config):
         engine = info.data.get("engine")
         if sampler.adapters and engine is not None and engine.lora is None:
             raise ValueError("adapters: the sampler serves LoRA adapters of the trainer's rank; set engine.lora")
+        dtype = sampler.dtype or (engine.dtype if engine is not None else "float32")
+        if sampler.adapters and sampler.name == "transformers" and dtype != "float32":
+            raise ValueError("adapters: the transformers sampler merges an adapter into the weights for a call, "
+                             f"exact in float32 only (its dtype is {dtype}); use vLLM's")
         return sampler
 
     @field_validator("critic")

@@ -153,6 +153,10 @@ def test_a_tenant_cannot_see_or_touch_another_tenants_models(shared):
         made = raw(shared, alice, "create_model", {"session_id": own_session, "model_seq_id": 0, "base_model": MODEL,
                                                    "lora_config": {"rank": RANK}}).json()
         before = tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"]
+        # Her own state back from her checkpoint: the sampler, which other tenants share, is left as it was.
+        tc.load_state_with_optimizer(state_path).result()
+        assert tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"] == before
+        assert ArcticRLClient(shared, token=TOKEN, retries=0).status()["backend"]["weight_version"] == 0
 
         bob_session = raw(shared, bob, "create_session", {}).json()["session_id"]
         refusals = {
@@ -246,6 +250,7 @@ def test_keys_are_the_tenants_and_open_only_the_tinker_routes(shared):
     ('{"alice": "short"}', "tinker_keys.alice"),
     ('{"job": "tml-0123456789abcdef"}', "tinker_keys.job"),
     ('{"a/b": "tml-0123456789abcdef"}', "tinker_keys.a/b"),
+    ('{"..": "tml-0123456789abcdef"}', "tinker_keys..."),
     ('{"a": "tml-0123456789abcdef", "b": "tml-0123456789abcdef"}', "tinker_keys"),
     ("{not json", "tinker_keys"),
 ])

@@ -23,7 +23,7 @@ def lora_deltas(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)) or not os.path.isfile(weights):
         raise ValueError(f"{path} holds no PEFT adapter ({CONFIG_FILE} and {WEIGHTS_FILE})")
     config = peft.LoraConfig.from_pretrained(path)
-    for name in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save"):
+    for name in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out"):
         if getattr(config, name, None):
             raise ValueError(f"{path}: the adapter's {name} is not served")
     scale = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)

@@ -62,6 +62,9 @@ class TransformersSampler(Sampler):
         unknown = sorted(set(deltas) - set(params))
         if unknown:
             raise ValueError(f"{path}: the adapter changes weights this model lacks: {unknown[:3]}")
+        misshapen = sorted(key for key, delta in deltas.items() if delta.shape != params[key].shape)
+        if misshapen:
+            raise ValueError(f"{path}: the adapter's changes do not fit the weights {misshapen[:3]}")
         self._adapters[name] = {key: delta.to(self.device) for key, delta in deltas.items()}
 
     def remove_adapter(self, name: str) -> None:

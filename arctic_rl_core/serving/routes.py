@@ -526,7 +526,12 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 raise InvalidRequest("weight_dir", "must be a path or null")
             return {"message": "Weights are the trainer's, synced before it published them",
                     "weight_version": api.weight_version}
-        version = await run_in(job.ordered, api.sync_weights)
+        def publish():
+            if job.own_policy is not None:  # the job's own weights, not a Tinker model's the engine may hold
+                job.own_policy()
+            return api.sync_weights()
+
+        version = await run_in(job.ordered, publish)
         return {"message": "Weights updated", "weight_version": version}
 
     @app.get("/weight_info")

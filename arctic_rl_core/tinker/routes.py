@@ -17,6 +17,7 @@ import re
 import shutil
 import time
 import uuid
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -99,6 +100,10 @@ class TinkerState:
     """tinker://.../sampler_weights/<name> -> what was saved under it."""
     adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
     """Adapters the sampler serves, oldest first: name -> the model that saved it, and its folder."""
+    adapter_uses: Counter = field(default_factory=Counter)
+    """Samples in flight per adapter (on the event loop only)."""
+    retired: dict[str, str] = field(default_factory=dict)
+    """Adapters no longer served to new samples, dropped once their samples in flight end: name -> folder."""
     futures: FutureTable = field(default_factory=FutureTable)
 
 
@@ -451,16 +456,31 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         syncs the model's weights to the sampler, replacing what another model saved."""
         return residency is not None and api.sampler.adapters > 0
 
-    def retire_adapters(api, model_id: str) -> None:
-        """A model's adapters beyond its newest few are no longer served (their sampling sessions are refused), nor,
-        past a few per model the server trains at once, those of models that left, oldest first."""
+    def retire_adapters(model_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        """A model's adapters beyond its newest few are no longer served to new samples (their sampling sessions are
+        refused), nor, past a few per model the server trains at once, those of models that left, oldest first.
+        The sampler drops each once the samples in flight with it end (vLLM reads an adapter's folder again when it
+        must reload it)."""
         own = [name for name, (saved_by, _) in state.adapters.items() if saved_by == model_id]
         gone = [name for name, (saved_by, _) in state.adapters.items() if saved_by not in state.models]
         excess = max(0, len(state.adapters) - len(own[:-ADAPTERS_PER_MODEL]) - ADAPTERS_PER_MODEL * state.max_models)
         for name in own[:-ADAPTERS_PER_MODEL] + gone[:excess]:
             _, folder = state.adapters.pop(name)
-            api.remove_adapter(name)
+            loop.call_soon_threadsafe(retire, name, folder)
+
+    def retire(name: str, folder: str) -> None:
+        """On the event loop: drop the adapter now, or when its last sample in flight ends."""
+        state.retired[name] = folder
+        if not state.adapter_uses[name]:
+            drop(name)
+
+    def drop(name: str) -> None:
+        folder = state.retired.pop(name)
+
+        def remove():
+            api_of().remove_adapter(name)
             shutil.rmtree(folder, ignore_errors=True)
+        asyncio.get_running_loop().run_in_executor(None, remove)
 
     @training_call("save_weights_for_sampler")
     def save_weights_for_sampler(body: dict, who: str) -> dict:
@@ -484,13 +504,14 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                            settle)
         label = f"a{next(adapter_ids)}"  # each save its own folder: a name saved again never rewrites a served one
         folder = checkpoint_dir(who, model.model_id, label, "sampler_weights")
+        loop = asyncio.get_running_loop()
 
         def save_adapter() -> SamplerWeights:
             adapter = f"{model.model_id}/{label}"
             api.save_adapter(folder)
             api.add_adapter(adapter, folder)
             state.adapters[adapter] = (model.model_id, folder)
-            retire_adapters(api, model.model_id)
+            retire_adapters(model.model_id, loop)
             return SamplerWeights(who, 0, adapter)
 
         return ordered(model, body.get("seq_id"), JSONResponse, save_adapter, settle)
@@ -528,13 +549,13 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             model = new_model(api, body, who)
             request_id, start = deferred(model, lambda _: JSONResponse({"type": "load_weights", "path": path,
                                                                         "model_id": model.model_id}),
-                                         lambda: api.load_checkpoint(directory))
+                                         lambda: api.load_checkpoint(directory, publish=residency is None))
             start()
             return {"request_id": request_id, "model_id": model.model_id}
         model = owned_model(body.get("model_id"), who)
         return ordered(model, body.get("seq_id"),
                        lambda _: JSONResponse({"type": "load_weights", "path": path, "model_id": model.model_id}),
-                       lambda: api.load_checkpoint(directory))
+                       lambda: api.load_checkpoint(directory, publish=residency is None))
 
     # -- sampling -----------------------------------------------------------------------------------------
 
@@ -616,11 +637,23 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                             err.message) from None
 
         async def work():
+            try:
+                return await sample()
+            finally:
+                if adapter is not None:
+                    state.adapter_uses[adapter] -= 1
+                    if not state.adapter_uses[adapter]:
+                        del state.adapter_uses[adapter]
+                        if adapter in state.retired:
+                            drop(adapter)
+
+        async def sample():
             if api.weight_version != sampler.weights.version:
                 raise InvalidRequest("sampling_session_id", f"its weights (version {sampler.weights.version}) were "
                                      f"replaced by version {api.weight_version}: save weights for the sampler again")
             completions = await serving.generate(api, job.reads, [prompt], sampling)
-            stale = [c.weight_version for c in completions if c.weight_version != sampler.weights.version]
+            stale = [v for c in completions for v in c.token_versions or [c.weight_version]
+                     if v != sampler.weights.version]
             if stale:
                 raise InvalidRequest("sampling_session_id", f"a weight sync (version {stale[0]}) crossed this sample")
             return completions
@@ -628,6 +661,8 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         request_id, outcome = state.futures.add(lambda completions: Response(
             wire.sample_response(completions, with_prompt, topk["topk_prompt_logprobs"], topk["topk_sample_logprobs"]),
             media_type=wire.MEDIA_TYPE), who)
+        if adapter is not None:  # counted now: a retirement from here on waits for this sample
+            state.adapter_uses[adapter] += 1
         asyncio.ensure_future(work()).add_done_callback(lambda done: resolve(outcome, done))
         return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(sampling.n)]}
 

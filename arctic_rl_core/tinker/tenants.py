@@ -7,8 +7,8 @@ own sessions, models, sampling sessions, futures and checkpoints: anything else 
 Several tenants' models (`--tinker-tenants N`) time-share the job's one engine. Each model's training state (its
 trainable weights, optimizer state and unstepped gradients) is parked on disk while another model trains and
 resumed before its next call (`Backend.park_policy` / `resume_policy`), so each trains exactly as it would alone.
-A model starts from the job's policy as it was when the first tenant came; once the last leaves, the job's policy
-is back as it was.
+A model starts from the job's policy as it last was in the engine; once the last model leaves, the job's policy is
+back as it was.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def read_keys(path: str) -> dict[str, str]:
     if not isinstance(keys, dict) or not keys:
         raise InvalidRequest("tinker_keys", f"{path}: must be a JSON object of tenant name -> API key")
     for name, key in keys.items():
-        if not _NAME.match(name) or name == JOB:
-            raise InvalidRequest(f"tinker_keys.{name}", f"a tenant name is 1-64 of A-Z a-z 0-9 . _ - (not {JOB!r})")
+        if not _NAME.match(name) or name == JOB or name.startswith("."):
+            raise InvalidRequest(f"tinker_keys.{name}", f"a tenant name is 1-64 of A-Z a-z 0-9 . _ -, not starting "
+                                 f"with '.' (nor {JOB!r})")
         if not isinstance(key, str) or len(key) < 16:
             raise InvalidRequest(f"tinker_keys.{name}", "an API key is a string of at least 16 characters")
     if len(set(keys.values())) != len(keys):
@@ -89,8 +90,10 @@ class Residency:
             return
         if self.resident is not None:
             self.parked[self.resident] = api.park_policy(self.directory(self.resident))
+            self.resident = None  # until the next state is whole in the engine: a failed resume leaves no owner
         if model_id in self.parked:
-            api.resume_policy(self.directory(model_id), self.parked.pop(model_id))
+            api.resume_policy(self.directory(model_id), self.parked[model_id])
+            del self.parked[model_id]
         else:
             api.resume_policy(self.directory(JOB), [])
         self.resident = model_id
