@@ -143,6 +143,11 @@ class InProcessBackend(TrainingAPI):
         validate_sequences(seqs, max_context=self.engine.max_context, vocab_size=self.engine.vocab_size)
         return seqs
 
+    def _sampler_in_use(self):
+        """Held by work that samples or scores: shared where the sampler takes concurrent calls, alone otherwise
+        (a sync waits for it, or takes it shared where the sampler crosses syncs)."""
+        return self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock
+
     @contextmanager
     def _sampler_asleep(self):
         """With sampler.sleep_during_training, the sampler's KV cache is released while training runs."""
@@ -232,7 +237,7 @@ class InProcessBackend(TrainingAPI):
         request = self.checked_generate(prompts, sampling, session)
         prompts, params = request.prompts, request.sampling
         epoch = self._aborts
-        with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
+        with self._sampler_in_use():
             if self._aborts != epoch:  # aborted while it waited for the sampler
                 completions = [Completion(prompt_index=i, token_ids=[], logprobs=[], finish_reason="abort",
                                           weight_version=self._weight_version)
@@ -276,7 +281,7 @@ class InProcessBackend(TrainingAPI):
             if with_entropy or temperature != 1.0:
                 raise InvalidRequest("with_entropy" if with_entropy else "temperature",
                                      "the sampler scores plain log-probs only (temperature 1, no entropy)")
-            with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
+            with self._sampler_in_use():
                 scores = self.sampler.score([(token_list(s.prompt_ids), token_list(s.response_ids)) for s in seqs])
             return LogProbsResult(logprobs=scores, weight_version=self._weight_version)
         if source not in ("trainer", "reference"):
@@ -409,13 +414,13 @@ class InProcessBackend(TrainingAPI):
         requests that name it (`SamplingParams.adapter`)."""
         if not self.sampler.adapters:
             raise InvalidRequest("sampler.adapters", "this job's sampler serves no LoRA adapters (sampler.adapters: 0)")
-        with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
+        with self._sampler_in_use():
             self.sampler.add_adapter(name, path)
         self._adapters.add(name)
 
     def remove_adapter(self, name: str) -> None:
         self._adapters.discard(name)
-        with self._sampler_lock.shared() if self.sampler.concurrent_generate else self._sampler_lock:
+        with self._sampler_in_use():
             self.sampler.remove_adapter(name)
 
     def save_adapter(self, path: str) -> None:
