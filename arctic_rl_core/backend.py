@@ -44,6 +44,7 @@ from arctic_rl_core.types import (
 )
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
+from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
 from arctic_rl_core.trajectories import TrajectoryStore
 
 
@@ -128,9 +129,9 @@ class InProcessBackend(TrainingAPI):
         self.learning_rate: float | None = None
         """Of the last step (status reports it: a framework's schedule can be seen reaching the job)."""
         self._aborts = 0
-        """`abort_generation` calls so far: a generate call that waited for the sampler through one is aborted."""
         self._adapters: set[str] = set()
         """The LoRA adapters the sampler serves (`add_adapter`)."""
+        self._adapter_layout: AdapterLayout | None = None
 
     @property
     def weight_version(self) -> int:
@@ -430,10 +431,30 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock:
             self.engine.save_adapter(path)
 
+    def adapter_layout(self) -> AdapterLayout | None:
+        """A LoRA job's adapter: its rank and the modules it adapts (None for a full-parameter job)."""
+        if self._adapter_layout is None and self.config.engine.lora is not None:
+            self._adapter_layout = self.engine.adapter_layout()
+        return self._adapter_layout
+
+    @property
+    def policy_untrained(self) -> bool:
+        """The policy never stepped and holds no gradients: a LoRA job's adapter is as PEFT made it (B = 0)."""
+        return self.engine.steps == 0 and not self._accumulated
+
+    def shape_adapter(self, shape: AdapterShape | None) -> None:
+        """The policy's adapter trains and computes as `shape` (a smaller rank, fewer modules) from now on, which
+        is exact only from an untrained adapter on (`models/lora_shape.py`); None: all of it again."""
+        with self._train_lock, self._weights_lock:
+            if self._accumulated:
+                raise InvalidRequest("lora_config", "the policy holds gradients not yet stepped: step or discard them "
+                                     "before its adapter changes shape")
+            self.engine.shape_adapter(shape)
+
     def park_policy(self, path: str) -> list[tuple]:
         """Take the policy's training state out of the engine: its trainable weights and optimizer state are
         written to `path` (a LoRA job's frozen base is not), its gradients dropped and returned as the fwd_bwd
-        calls that made them. `resume_policy(path, calls)` puts back exactly this state, so one engine can
+        calls that made them. `resume_policy(path, calls, shape)` puts back exactly this state, so one engine can
         time-share several (Tinker's tenants)."""
         with self._train_lock:
             calls, self._accumulated = self._accumulated, []
@@ -441,11 +462,14 @@ class InProcessBackend(TrainingAPI):
             self.engine.save(path, {}, trainable_only=True)
             return calls
 
-    def resume_policy(self, path: str, calls: list[tuple]) -> None:
-        """The state `park_policy` wrote to `path`, its gradients rebuilt by running `calls` again (the same
-        deterministic computation, in the same order)."""
+    def resume_policy(self, path: str, calls: list[tuple], shape: AdapterShape | None = None) -> None:
+        """The state `park_policy` wrote to `path`, with its adapter's `shape`, its gradients rebuilt by running
+        `calls` again (the same deterministic computation, in the same order)."""
         with self._train_lock, self._weights_lock:
             self.engine.load(path, trainable_only=True)
+            self._accumulated = []
+            if self.config.engine.lora is not None:
+                self.engine.shape_adapter(shape)
             with self._sampler_asleep():
                 for call in calls:
                     self.engine.forward_backward(*call)

@@ -354,18 +354,24 @@ def test_calls_start_in_seq_id_order_whatever_order_they_arrive_in():
         order.admit(2, lambda: None)
 
 
-def test_a_lora_job_trains_its_adapters_at_its_own_rank(tiny_model, tmp_path):
+def test_a_lora_job_trains_adapters_of_the_rank_asked(tiny_model, tmp_path):
+    """One model at a time trains the job's adapter itself: at the rank asked (up to the job's) while the adapter
+    is untrained; once it has trained, only at the job's own."""
     config = BackendConfig.model_validate({"model_path": tiny_model, "engine": {**ENGINE, "lora": {"r": 8}},
                                            "sampler": LIGHT_SAMPLER})
     with ServerThread(ServerSettings(port=free_loopback_port(), served_model_name=MODEL,
                                      checkpoint_dir=str(tmp_path)), config) as url:
         with service(url) as sc:
-            with pytest.raises(tinker.BadRequestError, match="lora_config.rank.*rank 8, not 32"):
+            with pytest.raises(tinker.BadRequestError, match="lora_config.rank.*must be 1 to 8.*not 32"):
                 sc.create_lora_training_client(base_model=MODEL, rank=32).result()
-            tc = sc.create_lora_training_client(base_model=MODEL, rank=8).result()
-            assert tc.get_info().is_lora and tc.get_info().lora_rank == 8
+            tc = sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+            assert tc.get_info().is_lora and tc.get_info().lora_rank == 4
             losses = []
             for _ in range(3):
                 losses.append(tc.forward_backward(sft_data(), "cross_entropy").result().metrics["loss:sum"])
                 tc.optim_step(types.AdamParams(learning_rate=5e-2, **ADAM)).result()
             assert losses[-1] < losses[0], losses
+        with service(url) as sc:
+            with pytest.raises(tinker.BadRequestError, match="lora_config.*policy has trained.*--tinker-tenants"):
+                sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+            assert sc.create_lora_training_client(base_model=MODEL, rank=8).result().get_info().lora_rank == 8

@@ -28,6 +28,8 @@ ENGINE = {"learning_rate": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "grad_clip":
 TOKEN = "operator-token-0123456789"
 KEYS = {"alice": "tml-alice-0123456789", "bob": "tml-bob-0123456789ab", "carol": "tml-carol-0123456789"}
 STEPS = 3
+SHAPES = {"alice": {"rank": RANK}, "bob": {"rank": 4}, "carol": {"rank": 2, "train_mlp": False}}
+"""Each tenant's adapter: the job's, a smaller rank, a smaller rank on the attention modules only."""
 
 
 def job(tiny_model, zero_stage: int = 2, adapters: int = 0) -> BackendConfig:
@@ -60,7 +62,8 @@ def train(url: str, tenant: str, barrier: threading.Barrier | None = None) -> li
     runs before any tenant's optim_step: each tenant's gradients wait parked while the others train."""
     losses = []
     with tinker.ServiceClient(base_url=url, api_key=KEYS[tenant]) as service:
-        tc = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+        tc = service.create_lora_training_client(base_model=MODEL, **SHAPES[tenant]).result()
+        assert tc.get_info().lora_rank == SHAPES[tenant]["rank"]
         for _ in range(STEPS):
             losses.append(tc.forward_backward(data(tenant), "cross_entropy").result().metrics["loss:sum"])
             if barrier is not None:
@@ -78,7 +81,7 @@ def test_three_tenants_at_once_each_train_as_they_would_alone(shared, tiny_model
     alone = {tenant: train(shared, tenant) for tenant in KEYS}
     assert arctic.state_digest() == digest  # every tenant gone: the job's policy is as it was
     for curve in alone.values():
-        assert curve[-1] < 0.95 * curve[0], curve  # each trains: its loss falls
+        assert curve[-1] < 0.97 * curve[0], curve  # each trains: its loss falls
 
     barrier = threading.Barrier(len(KEYS))
     together: dict[str, list[float]] = {}
@@ -101,17 +104,19 @@ def test_three_tenants_at_once_each_train_as_they_would_alone(shared, tiny_model
         assert together[tenant] == pytest.approx(alone[tenant], rel=1e-5), tenant
     assert arctic.state_digest() == digest
 
-    # The same tenant alone on a server that trains one model at a time, on the job's policy itself.
-    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, checkpoint_dir=str(tmp_path))
-    with ServerThread(settings, job(tiny_model)) as url:
-        with tinker.ServiceClient(base_url=url, api_key="tml-anyone") as service:
-            tc = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
-            plain = []
-            for _ in range(STEPS):
-                plain.append(tc.forward_backward(data("alice"), "cross_entropy").result().metrics["loss:sum"])
-                tc.optim_step(ADAM).result()
-            plain.append(tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"])
-    assert plain == pytest.approx(alone["alice"], rel=1e-5)
+    # The same tenants alone on a server that trains one model at a time, on the job's policy itself.
+    for tenant in ("alice", "bob"):
+        settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL,
+                                  checkpoint_dir=str(tmp_path / tenant))
+        with ServerThread(settings, job(tiny_model)) as url:
+            with tinker.ServiceClient(base_url=url, api_key="tml-anyone") as service:
+                tc = service.create_lora_training_client(base_model=MODEL, **SHAPES[tenant]).result()
+                plain = []
+                for _ in range(STEPS):
+                    plain.append(tc.forward_backward(data(tenant), "cross_entropy").result().metrics["loss:sum"])
+                    tc.optim_step(ADAM).result()
+                plain.append(tc.forward(data(tenant), "cross_entropy").result().metrics["loss:sum"])
+        assert plain == pytest.approx(alone[tenant], rel=1e-5), tenant
 
 
 def test_the_jobs_own_calls_see_its_policy_while_tenants_train(shared):
@@ -204,7 +209,7 @@ def test_each_tenant_samples_its_own_adapter_while_the_others_hold_theirs(shared
         trainers, samplers = {}, {}
         for tenant in KEYS:  # every tenant trains a step on its own data and saves for the sampler
             service = stack.enter_context(tinker.ServiceClient(base_url=shared, api_key=KEYS[tenant]))
-            trainers[tenant] = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+            trainers[tenant] = service.create_lora_training_client(base_model=MODEL, **SHAPES[tenant]).result()
             trainers[tenant].forward_backward(data(tenant), "cross_entropy").result()
             trainers[tenant].optim_step(ADAM).result()
             samplers[tenant] = trainers[tenant].save_weights_and_get_sampling_client()
@@ -220,6 +225,83 @@ def test_each_tenant_samples_its_own_adapter_while_the_others_hold_theirs(shared
         assert max(abs(a - b) for a, b in zip(scored(trainers["bob"], prompt, alice.tokens), alice.logprobs)) > 1e-3
     # The sampler kept the base model: the adapters sampled on it, nothing was synced.
     assert ArcticRLClient(shared, token=TOKEN, retries=0).status()["backend"]["weight_version"] == 0
+
+
+@pytest.mark.parametrize("zero_stage", [2, 0], ids=["zero2", "zero0"])
+def test_a_smaller_adapter_trains_as_that_adapter_would_on_its_own(tiny_model, tmp_path, zero_stage):
+    """Carol's model (rank 2, attention only) on the job's rank-8 adapter is a rank-2 LoRA: the adapter saved for
+    the sampler is one, and PEFT training that adapter from her first save with AdamW on the same data (a plain
+    loop, no engine) takes the same losses to the same weights."""
+    import peft
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, tinker_tenants=2,
+                              checkpoint_dir=str(tmp_path))
+    with ServerThread(settings, job(tiny_model, zero_stage, adapters=2)) as url:
+        with tinker.ServiceClient(base_url=url, api_key="tml-carol") as service:
+            tc = service.create_lora_training_client(base_model=MODEL, **SHAPES["carol"]).result()
+            tc.save_weights_for_sampler("start").result()
+            losses = []
+            for _ in range(STEPS):
+                losses.append(tc.forward_backward(data("carol"), "cross_entropy").result().metrics["loss:sum"])
+                tc.optim_step(ADAM).result()
+            tc.save_weights_for_sampler("end").result()
+    # Each save of an adapter is a folder of its own, numbered in order.
+    start, end = sorted(tmp_path.glob("tinker/*/*/sampler_weights/a*"), key=lambda p: int(p.name[1:]))
+
+    reference = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), start,
+                                               is_trainable=True)
+    config = reference.peft_config["default"]
+    assert config.r == 2 and config.target_modules and not any("mlp" in m for m in config.target_modules)
+    assert all(".self_attn." in name for name, _ in reference.named_parameters() if "lora_" in name)
+    trained = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=ADAM.learning_rate, betas=(ADAM.beta1, ADAM.beta2), eps=ADAM.eps,
+                                  weight_decay=0.0)
+    expected = []
+    for _ in range(STEPS):
+        loss = torch.zeros(())
+        for datum in data("carol"):
+            tokens = torch.tensor([datum.model_input.to_ints()])
+            logprobs = reference(tokens).logits.float().log_softmax(-1)[0]
+            targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].to_numpy()).long()
+            weights = torch.tensor(datum.loss_fn_inputs["weights"].to_numpy())
+            loss = loss - (logprobs.gather(-1, targets[:, None])[:, 0] * weights).sum()
+        expected.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses == pytest.approx(expected, rel=1e-5)
+    saved = load_file(str(end / "adapter_model.safetensors"))
+    ours = {name.replace(".default", ""): p.detach() for name, p in reference.named_parameters() if p.requires_grad}
+    assert sorted(saved) == sorted(ours)
+    for name, tensor in saved.items():
+        assert tensor.shape == ours[name].shape and tensor.shape[0 if ".lora_A." in name else 1] == 2
+        torch.testing.assert_close(tensor, ours[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_checkpoint_keeps_its_adapters_shape_and_a_shape_the_job_cannot_train_is_refused(shared):
+    with tinker.ServiceClient(base_url=shared, api_key=KEYS["carol"]) as service:
+        tc = service.create_lora_training_client(base_model=MODEL, **SHAPES["carol"]).result()
+        tc.forward_backward(data("carol"), "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        path = tc.save_state("shaped").result().path
+        loss = tc.forward(data("carol"), "cross_entropy").result().metrics["loss:sum"]
+        assert service.create_rest_client().get_weights_info_by_tinker_path(path).result().lora_rank == 2
+        # Made from the checkpoint, a model trains the checkpoint's shape, from where it was.
+        again = service.create_training_client_from_state_with_optimizer(path)
+        assert again.get_info().lora_rank == 2
+        assert again.forward(data("carol"), "cross_entropy").result().metrics["loss:sum"] == loss
+    with tinker.ServiceClient(base_url=shared, api_key=KEYS["carol"]) as service:
+        other = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
+        with pytest.raises(tinker.BadRequestError, match="path.*rank 2.*this model trains rank 8"):
+            other.load_state_with_optimizer(path).result()
+        for shape, field in [({"rank": RANK + 1}, "lora_config.rank"), ({"rank": 0}, "lora_config.rank"),
+                             ({"rank": 4, "seed": 7}, "lora_config.seed"),
+                             ({"rank": 4, "train_attn": False, "train_mlp": False}, "lora_config")]:
+            with pytest.raises(tinker.BadRequestError, match=field):
+                service.create_lora_training_client(base_model=MODEL, **shape).result()
 
 
 def test_a_models_oldest_adapters_stop_being_served_and_say_so(shared):

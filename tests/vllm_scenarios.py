@@ -607,18 +607,21 @@ def rope_scaling(model_dir):
 
 
 def adapters(model_dir):
-    """A LoRA job whose vLLM sampler serves adapters on its base model: two saved adapters sampled in one running
-    batch, each against the trainer holding that adapter's state; then a sync, after which adapters are refused."""
+    """A LoRA job whose vLLM sampler serves adapters on its base model: two saved adapters (the job's rank 8, and a
+    rank-2 one on the attention modules only, as a Tinker tenant asks) sampled in one running batch, each against
+    the trainer holding that adapter's state; then a sync, after which adapters are refused."""
     import tempfile
 
     from arctic_rl_core.backend import InProcessBackend
     from arctic_rl_core.errors import InvalidRequest
+    from arctic_rl_core.models.lora_shape import AdapterShape
     from tests.helpers import grpo_batch
 
     api = InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2, "lora": {"r": 8}},
                             "sampler": {"name": "vllm", "kv_cache_mb": 64, "adapters": 2}})
     work = tempfile.mkdtemp()
     prompts = [[11, 12, 13, 14, 15], [20, 21, 22]]
+    shapes = {"t1": None, "t2": AdapterShape(2, mlp=False)}
 
     def train(steps):
         for _ in range(steps):
@@ -632,14 +635,17 @@ def adapters(model_dir):
         return api.park_policy(os.path.join(work, name + "-state"))  # the trainer's state, to score it later
 
     def err_under(name, completions, sampling_prompts):
-        api.resume_policy(os.path.join(work, name + "-state"), [])
+        api.resume_policy(os.path.join(work, name + "-state"), [], shapes[name])
         seqs = [{"prompt_ids": sampling_prompts[c.prompt_index], "response_ids": c.token_ids} for c in completions]
         return max_err([c.logprobs for c in completions], api.log_probs(seqs).logprobs)
 
+    untrained = os.path.join(work, "untrained")
+    api.park_policy(untrained)
+    api.resume_policy(untrained, [])
     train(2)
     saved("t1")
-    api.resume_policy(os.path.join(work, "t1-state"), [])
-    train(2)
+    api.resume_policy(untrained, [], shapes["t2"])
+    train(4)
     saved("t2")
     sampling = {"n": 2, "max_tokens": 12, "temperature": 1.0}
     box1, box2 = {}, {}

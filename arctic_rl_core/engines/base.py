@@ -14,6 +14,7 @@ import torch
 
 from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.losses.registry import Registered
+from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
 
 
 class TrainingEngine(ABC):
@@ -72,8 +73,18 @@ class TrainingEngine(ABC):
         holds only the trainable weights, and the frozen ones stay as they are."""
 
     def save_adapter(self, path: str) -> None:
-        """A LoRA engine's adapter, as PEFT's `save_pretrained` writes it (weights, no optimizer)."""
+        """A LoRA engine's adapter, as PEFT's `save_pretrained` writes it (weights, no optimizer), in the shape
+        `shape_adapter` set."""
         raise NotImplementedError(f"{type(self).__name__} trains no adapter")
+
+    def adapter_layout(self) -> AdapterLayout | None:
+        """A LoRA engine's adapter: its rank and adapted modules (None: the engine trains all parameters)."""
+        return None
+
+    def shape_adapter(self, shape: AdapterShape | None) -> None:
+        """From now on the adapter trains and computes as a smaller one (`models/lora_shape.py`); None: all of it."""
+        if shape is not None:
+            raise NotImplementedError(f"{type(self).__name__} cannot shape its adapter")
 
     @abstractmethod
     def state_digest(self) -> str:

@@ -31,6 +31,7 @@ from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
+from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape, AdapterShaper
 from arctic_rl_core.models.rope_scaling import context_window, model_config
 from arctic_rl_kernels.split_attention import select_ops
 
@@ -154,6 +155,7 @@ class DeepSpeedEngine(TrainingEngine):
             )
         self._lora = ec.lora is not None
         self._causal_lm = model.get_base_model() if self._lora else model
+        self._shaper = AdapterShaper(model, self._causal_lm.get_output_embeddings()) if self._lora else None
         wrapper = self._wrap(model, hf_config, config)
         params = [p for p in wrapper.parameters() if p.requires_grad]
         optimizer = None
@@ -347,6 +349,17 @@ class DeepSpeedEngine(TrainingEngine):
         if int(os.environ.get("RANK", "0")) == 0:
             # The adapter alone: PEFT would add an adapted output head's frozen base weights ("embedding layers").
             self.engine.module.model.save_pretrained(path, save_embedding_layers=False)
+            self._shaper.write(path)
+
+    def adapter_layout(self) -> AdapterLayout | None:
+        return None if self._shaper is None else self._shaper.layout
+
+    def shape_adapter(self, shape: AdapterShape | None) -> None:
+        if self._shaper is None:
+            if shape is not None:
+                raise InvalidRequest("engine.lora", "this engine trains all parameters: it has no adapter to shape")
+            return
+        self._shaper.apply(shape)
 
     def state_digest(self) -> str:
         h = hashlib.sha256()

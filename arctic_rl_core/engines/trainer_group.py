@@ -27,6 +27,7 @@ from arctic_rl_core.engines.base import TrainingEngine
 from arctic_rl_core.engines.distributed import free_port
 from arctic_rl_core.engines.rank_plan import RankPlan, plan_ranks
 from arctic_rl_core.errors import ArcticRLError
+from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
 
 
 class TrainerRankFailed(ArcticRLError):
@@ -131,6 +132,12 @@ class TrainerRank:
 
     def save_adapter(self, path: str) -> None:
         self.engine.save_adapter(path)
+
+    def adapter_layout(self):
+        return self.engine.adapter_layout()
+
+    def shape_adapter(self, shape) -> None:
+        self.engine.shape_adapter(shape)
 
     def state_digest(self) -> str:
         return self.engine.state_digest()
@@ -311,6 +318,12 @@ class TrainerGroup(TrainingEngine):
 
     def save_adapter(self, path: str) -> None:
         self._all("save_adapter", path)
+
+    def adapter_layout(self) -> AdapterLayout | None:
+        return self._wait([self.actors[0].adapter_layout.remote()])[0]
+
+    def shape_adapter(self, shape: AdapterShape | None) -> None:
+        self._all("shape_adapter", shape)
 
     def state_digest(self) -> str:
         return hashlib.sha256("".join(self._all("state_digest")).encode()).hexdigest()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from arctic_rl_core.batching import batch_loss_inputs
 from arctic_rl_core.errors import InvalidRequest, NotFound
+from arctic_rl_core.models.lora_shape import FAMILIES, AdapterShape
 from arctic_rl_core.plugins.manager import load_plugins
 from arctic_rl_core.server.limits import OverLimit, RequestLimits
 from arctic_rl_core.server.security import TINKER_PREFIX, confine
@@ -44,6 +46,8 @@ MAX_SESSIONS = 256
 MAX_SAMPLERS = 1024
 ADAPTERS_PER_MODEL = 4
 """Adapters served per model the server trains at once: an RL loop saves one per step and samples the newest."""
+SHAPE_FILE = "tinker_adapter.json"
+"""In a Tinker checkpoint of a LoRA job: the rank and module families its model trained."""
 SESSION_TIMEOUT_S = 60.0
 """A session not heard from for this long (the SDK heartbeats every 10 s) no longer holds its models."""
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -58,6 +62,8 @@ class TinkerModel:
     model_id: str
     session_id: str
     tenant: str
+    shape: AdapterShape | None = None
+    """The part of the job's adapter it trains (`lora_config`); None: all of it, or all parameters."""
     order: SeqOrder = field(default_factory=SeqOrder)
 
 
@@ -75,6 +81,8 @@ class SamplerWeights:
     tenant: str
     version: int
     adapter: str | None = None
+    shape: AdapterShape | None = None
+    """The adapter shape of the model that saved them."""
 
 
 @dataclass
@@ -168,7 +176,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
         def on_model():
             if residency is not None:
-                residency.enter(api_of(), model.model_id)
+                residency.enter(api_of(), model.model_id, model.shape)
             return work()
 
         def start():
@@ -291,25 +299,69 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         call of the next model). Alone, it trained the job's weights, which stay; time-sharing, its state goes."""
         del state.models[model.model_id]
         if residency is None:
-            return job.ordered.submit(api.discard_gradients)
+            def leave():
+                api.discard_gradients()
+                if model.shape is not None:
+                    api.shape_adapter(None)
+            return job.ordered.submit(leave)
         return job.ordered.submit(residency.leave, api, model.model_id, not state.models)
 
-    def lora_rank(api) -> int | None:
-        lora = api.config.engine.lora
-        return None if lora is None else lora.r
+    def lora_rank(api, shape: AdapterShape | None) -> int | None:
+        layout = api.adapter_layout()
+        return None if layout is None else layout.rank if shape is None else shape.rank
 
-    def new_model(api, body: dict, who: str) -> TinkerModel:
+    def saved_shape(api, directory: str) -> AdapterShape | None:
+        """The adapter shape of the model that saved the checkpoint in `directory` (None: the whole adapter)."""
+        layout = api.adapter_layout()
+        try:
+            with open(os.path.join(directory, SHAPE_FILE)) as f:
+                saved = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            raise InvalidRequest("path", f"the checkpoint's {SHAPE_FILE} cannot be read: {err}") from None
+        if layout is None:
+            raise InvalidRequest("path", "the checkpoint holds a LoRA adapter; this job trains all parameters")
+        return lora_shape(api, saved, "path")
+
+    def lora_shape(api, config: Any, field_name: str = "lora_config") -> AdapterShape | None:
+        """The part of the job's adapter a model trains, from its `lora_config` (None: all of it)."""
+        config = config or {}
+        if not isinstance(config, dict):
+            raise InvalidRequest(field_name, "must be an object")
+        layout = api.adapter_layout()
+        if layout is None:
+            if config.get("rank") is not None and not state.full_parameter:
+                raise InvalidRequest(f"{field_name}.rank", "this job trains all parameters, not LoRA adapters; start "
+                                     "the server with --tinker-full-parameter to train them for a LoRA client")
+            return None
+        if config.get("seed") is not None and config["seed"] != api.config.engine.seed:
+            raise InvalidRequest(f"{field_name}.seed", f"adapters start from the job's initialization (engine.seed "
+                                 f"{api.config.engine.seed}), not a seed of their own")
+        rank = config.get("rank", layout.rank)
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise InvalidRequest(f"{field_name}.rank", "must be an integer")
+        flags = {}
+        for family in FAMILIES:
+            flags[family] = config.get(f"train_{family}", True)
+            if not isinstance(flags[family], bool):
+                raise InvalidRequest(f"{field_name}.train_{family}", "must be true or false")
+        shape = AdapterShape(rank, **flags)
+        layout.check(shape, field_name)
+        return layout.normal(shape)
+
+    def new_model(api, body: dict, who: str, shape: AdapterShape | None = None) -> TinkerModel:
+        """A model for `body`'s session, training `shape` of the job's adapter (refused where it cannot start)."""
         session_id = session(body.get("session_id"), who)
         base = body.get("base_model")
         if base is not None and base != model_name(api):
             raise InvalidRequest("base_model", f"this server trains {model_name(api)!r}, not {base!r}")
-        rank = (body.get("lora_config") or {}).get("rank")
-        job_rank = lora_rank(api)
-        if job_rank is not None and rank is not None and rank != job_rank:
-            raise InvalidRequest("lora_config.rank", f"this job trains LoRA adapters of rank {job_rank}, not {rank}")
-        if job_rank is None and rank is not None and not state.full_parameter:
-            raise InvalidRequest("lora_config.rank", "this job trains all parameters, not LoRA adapters; start the "
-                                 "server with --tinker-full-parameter to train them for a LoRA client")
+        if shape is not None and not (residency.can_start(api, shape) if residency is not None
+                                      else api.policy_untrained and not state.models):
+            raise InvalidRequest("lora_config", "a model of another rank or other modules than the job's adapter "
+                                 f"(rank {api.adapter_layout().rank}, {api.config.engine.lora.target_modules}) starts "
+                                 "from the untrained adapter, and this job's policy has trained: time-share models "
+                                 "from the start (arctic-rl serve --tinker-tenants N)")
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise InvalidRequest("optimizer_config.type", f"{optimizer!r}: this server's optimizer is AdamW")
@@ -326,8 +378,19 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             raise InvalidRequest("base_model", f"this server trains at most {state.max_models} Tinker model(s) at once "
                                  "(arctic-rl serve --tinker-tenants) and that many train now; a model is freed when "
                                  f"its session finishes, or {SESSION_TIMEOUT_S:.0f} s after its last heartbeat")
-        state.models[model_id] = TinkerModel(model_id, session_id, who)
+        state.models[model_id] = TinkerModel(model_id, session_id, who, shape)
         return state.models[model_id]
+
+    async def shaped(api, model: TinkerModel) -> None:
+        """Where a model trains the job's policy itself, its adapter takes the model's shape before its first call
+        (time-sharing, each model's entry shapes it)."""
+        if residency is not None or model.shape is None:
+            return
+        try:
+            await asyncio.wrap_future(job.ordered.submit(api.shape_adapter, model.shape))
+        except Exception:
+            del state.models[model.model_id]
+            raise
 
     def done_now(value: dict, who: str) -> dict:
         """A future that is already resolved (calls that change no training state)."""
@@ -339,7 +402,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     async def create_model(request: Request):
         who = tenant(request)
         body = await read_json(request)
-        model = new_model(api_of(), body, who)
+        api = api_of()
+        model = new_model(api, body, who, lora_shape(api, body.get("lora_config")))
+        await shaped(api, model)
         return {**done_now({"model_id": model.model_id, "type": "create_model"}, who), "model_id": model.model_id}
 
     @app.post(f"{PREFIX}/get_info")
@@ -347,7 +412,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         who = tenant(request)
         body = await read_json(request)
         api, model = api_of(), owned_model(body.get("model_id"), who)
-        rank = lora_rank(api)
+        rank = lora_rank(api, model.shape)
         return {"model_id": model.model_id, "type": "get_info", "model_name": model_name(api),
                 "model_data": {"model_name": model_name(api), "tokenizer_id": api.config.model_path},
                 "is_lora": rank is not None, "lora_rank": rank}
@@ -363,7 +428,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         if match is None or not (saved is not None and saved.tenant == who or match.group("kind") == "weights" and
                                  os.path.isdir(checkpoint_dir(who, match.group("model"), match.group("name")))):
             raise NotFound("tinker_path", f"no checkpoint {path!r} on this server")
-        rank = lora_rank(api)
+        shape = saved.shape if saved is not None else \
+            saved_shape(api, checkpoint_dir(who, match.group("model"), match.group("name")))
+        rank = lora_rank(api, shape)
         return {"base_model": model_name(api), "is_lora": rank is not None, "lora_rank": rank}
 
     # -- training -----------------------------------------------------------------------------------------
@@ -500,7 +567,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             return answer
 
         if not serves_adapters(api):
-            return ordered(model, body.get("seq_id"), JSONResponse, lambda: SamplerWeights(who, api.sync_weights()),
+            return ordered(model, body.get("seq_id"), JSONResponse, lambda: SamplerWeights(who, api.sync_weights(), shape=model.shape),
                            settle)
         label = f"a{next(adapter_ids)}"  # each save its own folder: a name saved again never rewrites a served one
         folder = checkpoint_dir(who, model.model_id, label, "sampler_weights")
@@ -512,7 +579,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             api.add_adapter(adapter, folder)
             state.adapters[adapter] = (model.model_id, folder)
             retire_adapters(model.model_id, loop)
-            return SamplerWeights(who, 0, adapter)
+            return SamplerWeights(who, 0, adapter, model.shape)
 
         return ordered(model, body.get("seq_id"), JSONResponse, save_adapter, settle)
 
@@ -525,7 +592,12 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             raise InvalidRequest("path", f"a checkpoint {name!r} exists; set overwrite to replace it")
 
         def work():
-            return api.save_checkpoint(directory)
+            info = api.save_checkpoint(directory)
+            if api.adapter_layout() is not None:
+                shape = model.shape or AdapterShape(api.adapter_layout().rank)
+                with open(os.path.join(directory, SHAPE_FILE), "w") as f:
+                    json.dump({"rank": shape.rank, **{f"train_{k}": getattr(shape, k) for k in FAMILIES}}, f)
+            return info
 
         def encode(_):
             return JSONResponse({"type": "save_weights", "path": f"tinker://{model.model_id}/weights/{name}"})
@@ -545,14 +617,18 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         if not body.get("optimizer", False):
             raise InvalidRequest("optimizer", "this server restores a checkpoint's weights with its optimizer state: "
                                  "use load_state_with_optimizer (create_training_client_from_state_with_optimizer)")
+        shape = saved_shape(api, directory)
         if "session_id" in body:  # the SDK's create-from-state: this load makes the model, before its call 1
-            model = new_model(api, body, who)
+            model = new_model(api, body, who, shape)
             request_id, start = deferred(model, lambda _: JSONResponse({"type": "load_weights", "path": path,
                                                                         "model_id": model.model_id}),
                                          lambda: api.load_checkpoint(directory, publish=residency is None))
             start()
             return {"request_id": request_id, "model_id": model.model_id}
         model = owned_model(body.get("model_id"), who)
+        if shape != model.shape:
+            raise InvalidRequest("path", f"{path!r} holds an adapter of rank {lora_rank(api, shape)} ({shape}); this "
+                                 f"model trains rank {lora_rank(api, model.shape)} ({model.shape})")
         return ordered(model, body.get("seq_id"),
                        lambda _: JSONResponse({"type": "load_weights", "path": path, "model_id": model.model_id}),
                        lambda: api.load_checkpoint(directory, publish=residency is None))

@@ -7,8 +7,8 @@ own sessions, models, sampling sessions, futures and checkpoints: anything else 
 Several tenants' models (`--tinker-tenants N`) time-share the job's one engine. Each model's training state (its
 trainable weights, optimizer state and unstepped gradients) is parked on disk while another model trains and
 resumed before its next call (`Backend.park_policy` / `resume_policy`), so each trains exactly as it would alone.
-A model starts from the job's policy as it last was in the engine; once the last model leaves, the job's policy is
-back as it was.
+A model starts from the job's policy as it was before it ever stepped (a LoRA job's untrained adapter), its adapter
+shaped as the model asked (`models/lora_shape.py`); once the last model leaves, the job's policy is back as it was.
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ import shutil
 from fastapi import Request
 
 from arctic_rl_core.errors import InvalidRequest, Unauthorized
+from arctic_rl_core.models.lora_shape import AdapterShape
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 JOB = "job"
 """The residency of the job's own policy (no tenant's model)."""
+UNTRAINED = ".untrained"
+"""Where the job's policy is kept as it was before it ever stepped."""
 
 
 def read_keys(path: str) -> dict[str, str]:
@@ -80,22 +83,41 @@ class Residency:
         """A model id, JOB, or None (the engine holds the state of a model that left)."""
         self.parked: dict[str, list] = {}
         """model id (or JOB) -> the fwd_bwd calls of its unstepped gradients; its state is in `directory(id)`."""
+        self.untrained: bool | None = None
+        """Whether `directory(UNTRAINED)` holds the job's policy as it was before it ever stepped, which every model
+        starts from (decided when the first model enters: a job that trained before has none)."""
 
     def directory(self, model_id: str) -> str:
         return os.path.join(self.root, hashlib.sha256(model_id.encode()).hexdigest()[:24])
 
-    def enter(self, api, model_id: str) -> None:
-        """The engine holds `model_id`'s training state (a new model's is the job's policy, without gradients)."""
+    def can_start(self, api, shape: AdapterShape | None) -> bool:
+        """Whether a new model of adapter `shape` can start here: a shape other than the job's adapter needs the
+        untrained adapter (`models/lora_shape.py`)."""
+        return shape is None or bool(self.untrained) or self.untrained is None and api.policy_untrained
+
+    def enter(self, api, model_id: str, shape: AdapterShape | None = None) -> None:
+        """The engine holds `model_id`'s training state, its adapter shaped as `shape` (a new model's state is the
+        job's untrained policy, or where there is none the job's policy as it is, without gradients)."""
         if self.resident == model_id:
             return
+        new = model_id != JOB and model_id not in self.parked
+        if new and not self.can_start(api, shape):
+            raise InvalidRequest("lora_config", "a model of another rank or other modules than the job's adapter "
+                                 "starts from an untrained adapter, and this job's policy trained before its first "
+                                 "Tinker model: none is kept")
         if self.resident is not None:
+            keep = self.resident == JOB and self.untrained is None
+            untrained = keep and api.policy_untrained
             self.parked[self.resident] = api.park_policy(self.directory(self.resident))
+            if keep:
+                if untrained:
+                    shutil.copytree(self.directory(JOB), self.directory(UNTRAINED), dirs_exist_ok=True)
+                self.untrained = untrained
             self.resident = None  # until the next state is whole in the engine: a failed resume leaves no owner
         if model_id in self.parked:
-            api.resume_policy(self.directory(model_id), self.parked[model_id])
-            del self.parked[model_id]
+            api.resume_policy(self.directory(model_id), self.parked.pop(model_id), shape)
         else:
-            api.resume_policy(self.directory(JOB), [])
+            api.resume_policy(self.directory(UNTRAINED if self.untrained else JOB), [], shape)
         self.resident = model_id
 
     def leave(self, api, model_id: str, last: bool) -> None:
