@@ -345,3 +345,43 @@ def test_a_keys_file_is_refused_by_field(tmp_path, content, field):
     with pytest.raises(InvalidRequest) as refused:
         read_keys(str(path))
     assert refused.value.field == field
+
+
+def test_one_tenants_flood_of_sessions_pushes_out_only_its_own(shared):
+    from arctic_rl_core.tinker.routes import SESSIONS_PER_TENANT
+
+    alice = raw(shared, KEYS["alice"], "create_session", {}).json()["session_id"]
+    flood = [raw(shared, KEYS["bob"], "create_session", {}).json()["session_id"]
+             for _ in range(SESSIONS_PER_TENANT + 1)]
+    assert raw(shared, KEYS["bob"], "session_heartbeat", {"session_id": flood[0]}).status_code == 410
+    assert raw(shared, KEYS["bob"], "session_heartbeat", {"session_id": flood[-1]}).status_code == 200
+    assert raw(shared, KEYS["alice"], "session_heartbeat", {"session_id": alice}).status_code == 200
+    for session_id in flood[1:] + [alice]:
+        key = KEYS["alice"] if session_id == alice else KEYS["bob"]
+        assert raw(shared, key, f"sessions/{session_id}/finish", {}).status_code == 200
+
+
+def test_one_tenants_flood_of_requests_neither_blocks_nor_forgets_anothers():
+    import asyncio
+
+    from arctic_rl_core.errors import NotFound
+    from arctic_rl_core.server.limits import OverLimit
+    from arctic_rl_core.tinker.futures import FutureTable
+
+    async def run():
+        table = FutureTable(poll_s=0.01, per_tenant_pending=3, per_tenant_done=2)
+        kept, kept_future = table.add(lambda r: r, "alice")
+        kept_future.set_result("alice's")
+        waiting = [table.add(lambda r: r, "bob") for _ in range(3)]
+        with pytest.raises(OverLimit, match="this tenant's"):
+            table.add(lambda r: r, "bob")
+        table.add(lambda r: r, "alice")  # bob's cap is his own
+        for _, future in waiting:
+            future.set_result("bob's")
+        for _ in range(5):  # bob's results beyond his cap push out his own oldest, not alice's
+            table.add(lambda r: r, "bob")[1].set_result("bob's")
+        assert await table.retrieve(kept, "alice") == ("done", "alice's")
+        with pytest.raises(NotFound):
+            await table.retrieve(waiting[0][0], "bob")
+
+    asyncio.run(run())

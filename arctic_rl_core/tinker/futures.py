@@ -17,24 +17,36 @@ from arctic_rl_core.server.limits import OverLimit
 
 
 class FutureTable:
-    def __init__(self, poll_s: float = 25.0, max_pending: int = 1024, max_done: int = 1024):
+    """Request ids and their futures, each a tenant's. A tenant's pending requests and kept results have caps of
+    their own, so one tenant's flood neither crowds out nor forgets another's; the server-wide caps bound the rest."""
+
+    def __init__(self, poll_s: float = 25.0, max_pending: int = 1024, max_done: int = 8192,
+                 per_tenant_pending: int = 256, per_tenant_done: int = 1024):
         self.poll_s, self.max_pending, self.max_done = poll_s, max_pending, max_done
+        self.per_tenant_pending, self.per_tenant_done = per_tenant_pending, per_tenant_done
         self._futures: OrderedDict[str, tuple[asyncio.Future, Callable[[Any], Any], str]] = OrderedDict()
 
     def add(self, encode: Callable[[Any], Any], tenant: str) -> tuple[str, asyncio.Future]:
         """A new request id and the future its work resolves; `encode` makes the result a response, for `tenant`
         alone."""
-        pending = sum(not f.done() for f, _, _ in self._futures.values())
-        if pending >= self.max_pending:
-            raise OverLimit("request", f"{pending} Tinker requests are already waiting (the server's cap)")
+        pending = [t for f, _, t in self._futures.values() if not f.done()]
+        own = pending.count(tenant)
+        if own >= self.per_tenant_pending:
+            raise OverLimit("request", f"{own} of this tenant's Tinker requests are already waiting (its cap)")
+        if len(pending) >= self.max_pending:
+            raise OverLimit("request", f"{len(pending)} Tinker requests are already waiting (the server's cap)")
         request_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self._futures[request_id] = (future, encode, tenant)
-        self._forget_oldest_done()
+        self._forget_oldest_done(tenant)
         return request_id, future
 
-    def _forget_oldest_done(self) -> None:
-        done = [key for key, (f, _, _) in self._futures.items() if f.done()]
+    def _forget_oldest_done(self, tenant: str) -> None:
+        done = [(key, t) for key, (f, _, t) in self._futures.items() if f.done()]
+        own = [key for key, t in done if t == tenant]
+        for key in own[: max(0, len(own) - self.per_tenant_done)]:
+            del self._futures[key]
+        done = [key for key, _ in done if key in self._futures]
         for key in done[: max(0, len(done) - self.max_done)]:
             del self._futures[key]
 

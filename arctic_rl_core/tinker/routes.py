@@ -42,8 +42,11 @@ from arctic_rl_core.types import MAX_TOP_LOGPROBS, LossSpec, SamplingParams, Seq
 from arctic_rl_core.validation import parse
 
 PREFIX = TINKER_PREFIX.rstrip("/")
-MAX_SESSIONS = 256
-MAX_SAMPLERS = 1024
+MAX_SESSIONS = 1024
+SESSIONS_PER_TENANT = 64
+"""A tenant's sessions past this push out its own least recently heard from (one that holds no model)."""
+SAMPLERS_PER_TENANT = 256
+"""A tenant's sampling sessions past this push out its own oldest (an RL loop makes one per step)."""
 ADAPTERS_PER_MODEL = 4
 """Adapters served per model the server trains at once: an RL loop saves one per step and samples the newest."""
 SHAPE_FILE = "tinker_adapter.json"
@@ -245,12 +248,16 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     async def create_session(request: Request):
         who = tenant(request)
         await read_json(request)
-        if len(state.sessions) >= MAX_SESSIONS:
+        own = [s for s in sorted(state.sessions, key=lambda s: state.sessions[s].seen)
+               if state.sessions[s].tenant == who]
+        if len(own) >= SESSIONS_PER_TENANT:
             holding = {m.session_id for m in state.models.values()}
-            idle = [s for s in sorted(state.sessions, key=lambda s: state.sessions[s].seen) if s not in holding]
+            idle = [s for s in own if s not in holding]
             if not idle:
-                raise OverLimit("session", f"the server holds {MAX_SESSIONS} sessions")
-            del state.sessions[idle[0]]
+                raise OverLimit("session", f"this tenant holds {SESSIONS_PER_TENANT} sessions, each with a model")
+            forget_session(idle[0])
+        if len(state.sessions) >= MAX_SESSIONS:
+            raise OverLimit("session", f"the server holds {MAX_SESSIONS} sessions")
         session_id = uuid.uuid4().hex
         state.sessions[session_id] = Session(who, time.time())
         return {"session_id": session_id, "type": "create_session"}
@@ -277,10 +284,14 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         session(session_id, who)
         for model in [m for m in state.models.values() if m.session_id == session_id]:
             await asyncio.wrap_future(release(job.api, model))
+        forget_session(session_id)
+        return {}
+
+    def forget_session(session_id: str) -> None:
+        """The session goes with its sampling sessions (its models are released first)."""
         for key in [k for k, s in state.samplers.items() if s.session_id == session_id]:
             del state.samplers[key]
         del state.sessions[session_id]
-        return {}
 
     @app.get(f"{PREFIX}/healthz")
     async def healthz():
@@ -514,8 +525,10 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     def new_sampler(session_id: str, weights: SamplerWeights, path: str | None) -> str:
         sampler_id = f"{session_id}:sample:{uuid.uuid4().hex[:12]}"
         state.samplers[sampler_id] = Sampler(session_id, weights, path)
-        while len(state.samplers) > MAX_SAMPLERS:  # an RL run makes one per step: the oldest go
-            del state.samplers[next(iter(state.samplers))]
+        tenant_of_session = state.sessions[session_id].tenant
+        own = [key for key, s in state.samplers.items() if state.sessions[s.session_id].tenant == tenant_of_session]
+        for key in own[: max(0, len(own) - SAMPLERS_PER_TENANT)]:  # an RL loop makes one per step: the oldest go
+            del state.samplers[key]
         return sampler_id
 
     def serves_adapters(api) -> bool:
