@@ -347,10 +347,27 @@ def test_a_keys_file_is_refused_by_field(tmp_path, content, field):
     assert refused.value.field == field
 
 
-def test_one_tenants_flood_of_sessions_pushes_out_only_its_own(shared):
-    from arctic_rl_core.tinker.routes import SESSIONS_PER_TENANT
+def test_one_tenants_flood_of_sessions_pushes_out_only_its_own(shared, monkeypatch):
+    from arctic_rl_core.tinker import routes
+
+    # The server runs in this process: smaller caps, read when a session is made, keep the flood short.
+    monkeypatch.setattr(routes, "SESSIONS_PER_TENANT", 4)
+    monkeypatch.setattr(routes, "SAMPLERS_PER_TENANT", 4)
+    SESSIONS_PER_TENANT, SAMPLERS_PER_TENANT = 4, 4
+
+    def sampler(key, session_id):
+        return raw(shared, key, "create_sampling_session",
+                   {"session_id": session_id, "base_model": MODEL}).json()["sampling_session_id"]
+
+    def served(key, sampler_id):
+        return httpx.get(f"{shared}/api/v1/samplers/{sampler_id}", headers={"X-API-Key": key}).status_code == 200
 
     alice = raw(shared, KEYS["alice"], "create_session", {}).json()["session_id"]
+    bob = raw(shared, KEYS["bob"], "create_session", {}).json()["session_id"]
+    alices = sampler(KEYS["alice"], alice)
+    bobs = [sampler(KEYS["bob"], bob) for _ in range(SAMPLERS_PER_TENANT + 1)]
+    assert not served(KEYS["bob"], bobs[0]) and served(KEYS["bob"], bobs[-1]) and served(KEYS["alice"], alices)
+    assert raw(shared, KEYS["bob"], f"sessions/{bob}/finish", {}).status_code == 200
     flood = [raw(shared, KEYS["bob"], "create_session", {}).json()["session_id"]
              for _ in range(SESSIONS_PER_TENANT + 1)]
     assert raw(shared, KEYS["bob"], "session_heartbeat", {"session_id": flood[0]}).status_code == 410
