@@ -165,7 +165,7 @@ class SamplerConfig(_Config):
     """Release the KV cache (vLLM sleep mode) during fwd_bwd and step; for colocated GPUs, not with pipelining.
     vLLM's CPU build ignores it."""
     adapters: int = Field(0, ge=0)
-    """LoRA adapters of the engine's rank the sampler serves at once on its base model (vLLM's multi-LoRA,
+    """LoRA adapters (of ranks up to the engine's) the sampler serves at once on its base model (vLLM's multi-LoRA,
     `max_loras`): Tinker tenants' saved weights, each request with its own (`SamplingParams.adapter`). 0: none.
     Needs `engine.lora` and one replica."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
