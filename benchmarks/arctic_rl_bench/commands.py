@@ -19,6 +19,8 @@ BENCHMARKS = {
     "sync": "sync_weights time and GB/s per path and model size, beside memcpy",
     "scale": "generate with 1 vs 2 sampler replicas, fwd_bwd with 1 vs 2 trainer ranks, the driver's per-call overhead",
     "e2e": "seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async",
+    "tenants": "what time-sharing the engine costs a Tinker model: a switch (park + resume) beside a training step, "
+               "LoRA and full parameter",
     "cascade": "decode attention tokens/s from a shared prompt with and without forest cascade attention, beside the KV-read bound",
 }
 
