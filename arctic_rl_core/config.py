@@ -272,7 +272,7 @@ class BackendConfig(_Config):
     def _adapters_of_a_lora_job(cls, sampler: SamplerConfig, info: ValidationInfo):
         engine = info.data.get("engine")
         if sampler.adapters and engine is not None and engine.lora is None:
-            raise ValueError("adapters: the sampler serves LoRA adapters of the trainer's rank; set engine.lora")
+            raise ValueError("adapters: the sampler serves the trainer's LoRA adapters; set engine.lora")
         dtype = sampler.dtype or (engine.dtype if engine is not None else "float32")
         if sampler.adapters and sampler.name == "transformers" and dtype != "float32":
             raise ValueError("adapters: the transformers sampler merges an adapter into the weights for a call, "

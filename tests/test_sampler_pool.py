@@ -4,9 +4,11 @@ current weight version; a placement the cluster cannot satisfy fails naming the 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -125,6 +127,22 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
                 [turn] = api.episode(f"s{i}").turns
                 assert (turn.prompt_ids, turn.token_ids) == (PROMPTS[i], choice["token_ids"])
             assert server.app.state.serving.describe()["generate_calls"] == len(PROMPTS)
+
+            # `stream: true` through the pool: token ids arrive in pieces as a replica's engine samples them, the
+            # first while the replica still samples; together they are the reply's.
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                    "model": tiny_model, "prompt": PROMPTS[3], "max_tokens": 96, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True, "stream_options": {"include_usage": True}}) as response:
+                events, sampling_at = [], []
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[len("data: "):]))
+                        sampling_at.append(sum(n > 0 for slot in api.sampler._slots
+                                               for n in ray.get(slot.actor.samples_in_flight.remote())))
+            pieces = [i for i, e in enumerate(events) if e["choices"] and e["choices"][0]["token_ids"]]
+            ids = [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"] or []]
+            assert len(pieces) > 4 and sampling_at[pieces[0]] > 0, (len(pieces), sampling_at)
+            assert len(ids) == 96 and [e["usage"]["completion_tokens"] for e in events if e.get("usage")] == [96]
             # /metrics: each replica's vLLM families, told apart by their engine label, as one exposition.
             tokens = {engine: counters.get("vllm:generation_tokens", 0)
                       for engine, (_, counters, _) in engine_metrics(url).items()}
@@ -190,3 +208,45 @@ def test_a_sampler_pool_the_cluster_cannot_place_fails_at_start_naming_the_setti
         InProcessBackend(cfg)
     assert err.value.field == "sampler.replicas" and "2 CPU needed, the cluster has 3 (1 free)" in str(err.value)
     assert not ray.is_initialized()  # nothing left: no actors, no placement groups, no local Ray
+
+
+def test_a_replica_that_dies_after_streaming_tokens_fails_the_call_and_the_others_are_dealt_again():
+    """Tokens heard cannot be taken back: a streamed share whose replica dies after some of its tokens went out is
+    not sampled again elsewhere (the call fails, naming why), while a share that had streamed nothing is."""
+    import os
+
+    import ray
+
+    from arctic_rl_core.samplers.sampler_pool import SamplerPool, SamplerReplicaFailed, _Slot
+
+    @ray.remote(max_concurrency=4)
+    class Replica:
+        def __init__(self, dies_after_tokens: bool):
+            self.dies_after_tokens = dies_after_tokens
+
+        def generate_stream(self, prompts, sampling):
+            if self.dies_after_tokens:
+                yield "tokens", [(0, 0, [7, 8])]
+                time.sleep(0.3)
+            os._exit(1)
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        for dies_after_tokens in (True, False):
+            pool = SamplerPool.__new__(SamplerPool)  # its dealing alone, on stand-in replicas
+            pool._changed, pool.redealt = threading.Condition(), 0
+            pool.config = SimpleNamespace(ray=SimpleNamespace(start_timeout_s=0.5))  # how long dealing waits
+            pool._slots = [_Slot(0)]
+            pool._slots[0].state, pool._slots[0].actor = "ready", Replica.remote(dies_after_tokens)
+            heard, lost = [], []
+            pool._lost = lambda slot, actor, reason: (lost.append(reason), setattr(slot, "state", "replacing"))
+            units = SamplerPool._by_prompt([[1, 2, 3]], lambda ix: 10)
+            with pytest.raises(SamplerReplicaFailed, match="after streaming tokens" if dies_after_tokens
+                               else "no sampler replica is ready"):
+                pool._run(units, lambda actor, ix: actor.generate_stream.options(num_returns="streaming").remote(
+                    [[1, 2, 3]], None), lambda indexes, tokens: heard.append(tokens))
+            assert lost == ["ActorDiedError"] and pool._slots[0].queued_tokens == 0
+            assert heard == ([[(0, 0, [7, 8])]] if dies_after_tokens else [])
+            assert pool.redealt == (0 if dies_after_tokens else 1)  # the silent share was dealt again
+    finally:
+        ray.shutdown()

@@ -51,6 +51,7 @@ class SamplerReplica:
         return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
                 "sync_route": self.sampler.sync_route, "exact_reshaped_logprobs": self.sampler.exact_reshaped_logprobs,
                 "continuous_batching": self.sampler.continuous_batching, "crosses_syncs": self.sampler.crosses_syncs,
+                "streams_tokens": self.sampler.streams_tokens,
                 "unsupported_sampling": sorted(self.sampler.unsupported_sampling)}
 
     def _call(self):
@@ -65,9 +66,38 @@ class SamplerReplica:
         another waits for them."""
         return self._busy.shared() if self.sampler.crosses_syncs else self._busy
 
-    def generate(self, prompts, sampling: SamplingParams) -> list[Completion]:
+    def generate(self, prompts, sampling: SamplingParams, on_tokens=None) -> list[Completion]:
+        streamed = {} if on_tokens is None else {"on_tokens": on_tokens}
         with self._call():
-            return self.sampler.generate(prompts, sampling, self.weight_version)
+            return self.sampler.generate(prompts, sampling, self.weight_version, **streamed)
+
+    def generate_stream(self, prompts, sampling: SamplingParams):
+        """`generate` as a Ray streaming generator (`num_returns="streaming"`): ("tokens", [(prompt index, sample
+        index, token ids), ...]) with what the engine sampled since the last item, then ("done", completions)."""
+        heard: queue.SimpleQueue = queue.SimpleQueue()
+        outcome: dict = {}
+
+        def run():
+            try:
+                outcome["done"] = self.generate(prompts, sampling, lambda *tokens: heard.put(tokens))
+            except BaseException as err:  # raised to the caller below
+                outcome["error"] = err
+            finally:
+                heard.put(None)
+
+        threading.Thread(target=run, name="arctic-rl-replica-stream", daemon=True).start()
+        while True:
+            batch = [heard.get()]
+            while not heard.empty():
+                batch.append(heard.get())
+            if batch[-1] is None:
+                if batch[:-1]:
+                    yield "tokens", batch[:-1]
+                break
+            yield "tokens", batch
+        if "error" in outcome:
+            raise outcome["error"]
+        yield "done", outcome["done"]
 
     def abort_generation(self) -> bool:
         return self.sampler.abort_generation()  # not under _busy: it ends the call that holds it

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -216,9 +216,13 @@ class SamplerPool(Sampler):
                 dealt.setdefault(slot.index, []).append(unit)
             return dealt
 
-    def _run(self, units: list[Unit], call) -> list[tuple[list[int], object]]:
+    def _run(self, units: list[Unit], call, on_item=None) -> list[tuple[list[int], object]]:
         """`call(actor, indexes)` on each replica's share, gathered as (indexes, result). The share of a replica
-        that dies is dealt again to the live ones at once; nothing a dead replica produced is returned."""
+        that dies is dealt again to the live ones at once; nothing a dead replica produced is returned.
+
+        With `on_item(indexes, item)`, `call` returns a Ray streaming generator: each item before the last goes to
+        `on_item` as it comes, the last is the share's result. A share whose replica dies after `on_item` heard
+        of it is not dealt again (what was heard cannot be taken back): the call fails."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -230,25 +234,45 @@ class SamplerPool(Sampler):
             for index, share in self._deal(pending).items():
                 slot = self._slots[index]
                 indexes = [i for _, ix, _ in share for i in ix]
-                outstanding[call(slot.actor, indexes)] = (slot, slot.actor, share, indexes)
+                outstanding[call(slot.actor, indexes)] = (slot, slot.actor, share, indexes, False)
 
         submit(units)
-        while outstanding:
-            [ref], _ = ray.wait(list(outstanding), num_returns=1)
-            slot, actor, share, indexes = outstanding.pop(ref)
-            with self._changed:
-                slot.queued_tokens -= sum(cost for cost, _, _ in share)
-            try:
-                answered.append((indexes, ray.get(ref)))
+        try:
+            while outstanding:
+                [ready], _ = ray.wait(list(outstanding), num_returns=1)
+                slot, actor, share, indexes, heard = outstanding.pop(ready)
+                try:
+                    if on_item is None:
+                        result = ray.get(ready)
+                    else:
+                        kind, result = ray.get(next(ready))
+                        if kind != "done":
+                            outstanding[ready] = (slot, actor, share, indexes, True)
+                            on_item(indexes, result)
+                            continue
+                except RayActorError as err:
+                    with self._changed:
+                        slot.queued_tokens -= sum(cost for cost, _, _ in share)
+                    lost += 1
+                    self._lost(slot, actor, type(err).__name__)
+                    if heard:
+                        raise SamplerReplicaFailed(f"sampler replica {slot.index} died after streaming tokens of this "
+                                                   f"call, which cannot be taken back; it was not answered: {err}") \
+                            from None
+                    if lost > _MAX_REPLACEMENTS_PER_CALL:
+                        raise SamplerReplicaFailed(f"{lost} sampler replicas died during one call; it was not "
+                                                   f"answered: {err}") from None
+                    self.redealt += 1
+                    submit(share)
+                    continue
+                with self._changed:
+                    slot.queued_tokens -= sum(cost for cost, _, _ in share)
+                answered.append((indexes, result))
                 deal.setdefault(slot.index, []).extend(indexes)
-            except RayActorError as err:
-                lost += 1
-                if lost > _MAX_REPLACEMENTS_PER_CALL:
-                    raise SamplerReplicaFailed(f"{lost} sampler replicas died during one call; it was not "
-                                               f"answered: {err}") from None
-                self._lost(slot, actor, type(err).__name__)
-                self.redealt += 1
-                submit(share)
+        finally:  # a call that fails leaves shares running: they no longer count on their replicas
+            with self._changed:
+                for slot, _, share, _, _ in outstanding.values():
+                    slot.queued_tokens -= sum(cost for cost, _, _ in share)
         self.last_deal = {index: sorted(ix) for index, ix in sorted(deal.items())}
         return answered
 
@@ -262,10 +286,22 @@ class SamplerPool(Sampler):
 
     # -- Sampler ---------------------------------------------------------------------------------
 
-    def generate(self, prompts, sampling: SamplingParams, weight_version: int) -> list[Completion]:
+    def generate(self, prompts, sampling: SamplingParams, weight_version: int,
+                 on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Completion]:
+        """`on_tokens(prompt index, sample index, token ids)`: as the vLLM sampler's, where every replica streams
+        (each replica's tokens reach this process as its engine samples them)."""
         units = self._by_prompt(prompts, lambda ix: len(prompts[ix[0]]) + len(ix) * sampling.n * sampling.max_tokens)
+        if on_tokens is None:
+            run = self._run(units, lambda a, ix: a.generate.remote([prompts[i] for i in ix], sampling))
+        else:
+            def heard(indexes: list[int], tokens: list[tuple]) -> None:
+                for prompt, sample, ids in tokens:
+                    on_tokens(indexes[prompt], sample, ids)
+
+            run = self._run(units, lambda a, ix: a.generate_stream.options(num_returns="streaming").remote(
+                [prompts[i] for i in ix], sampling), heard)
         out: list[Completion] = []
-        for indexes, completions in self._run(units, lambda a, ix: a.generate.remote([prompts[i] for i in ix], sampling)):
+        for indexes, completions in run:
             out.extend(c.model_copy(update={"prompt_index": indexes[c.prompt_index]}) for c in completions)
         out.sort(key=lambda c: c.prompt_index)  # stable: a prompt's n samples keep their order
         return out
@@ -419,6 +455,10 @@ class SamplerPool(Sampler):
     @property
     def unsupported_sampling(self) -> frozenset[str]:
         return frozenset(name for slot in self._slots for name in slot.facts.get("unsupported_sampling", ()))
+
+    @property
+    def streams_tokens(self) -> bool:
+        return all(slot.facts.get("streams_tokens", False) for slot in self._slots)
 
     @property
     def continuous_batching(self) -> bool:
