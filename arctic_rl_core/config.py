@@ -167,16 +167,9 @@ class SamplerConfig(_Config):
     adapters: int = Field(0, ge=0)
     """LoRA adapters (of ranks up to the engine's) the sampler serves at once on its base model (vLLM's multi-LoRA,
     `max_loras`): Tinker tenants' saved weights, each request with its own (`SamplingParams.adapter`). 0: none.
-    Needs `engine.lora` and one replica."""
+    Needs `engine.lora`; a pool of replicas serves each adapter on every replica."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Passed to vLLM's LLM(...) as is."""
-
-    @field_validator("adapters")
-    @classmethod
-    def _adapters_on_one_sampler(cls, adapters, info: ValidationInfo):
-        if adapters and info.data.get("replicas", 1) > 1:
-            raise ValueError("adapters are served by one sampler (replicas 1)")
-        return adapters
 
     @field_validator("engine_args")
     @classmethod

@@ -14,8 +14,6 @@ from arctic_rl_core.errors import InvalidRequest
     ({"sampler": {"name": "transformers", "adapters": 2}}, "config.sampler", "set engine.lora"),
     ({"engine": {"lora": {"r": 4}, "dtype": "bfloat16"}, "sampler": {"name": "transformers", "adapters": 2}},
      "config.sampler", "float32 only"),
-    ({"engine": {"lora": {"r": 4}}, "sampler": {"replicas": 2, "adapters": 2}}, "config.sampler.adapters",
-     "replicas 1"),
     ({"engine": {"lora": {"r": 4}}, "sampler": {"adapters": 2}, "zorro": {"inference": True}}, "config.zorro",
      "sampler.adapters"),
 ])

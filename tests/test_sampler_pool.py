@@ -250,3 +250,42 @@ def test_a_replica_that_dies_after_streaming_tokens_fails_the_call_and_the_other
             assert pool.redealt == (0 if dies_after_tokens else 1)  # the silent share was dealt again
     finally:
         ray.shutdown()
+
+
+def test_a_pool_serves_each_adapter_on_every_replica_and_a_replacement_loads_them(tiny_model, tmp_path):
+    """sampler.adapters on two vLLM replicas: requests naming an adapter are dealt to both, each sampled as the
+    trainer holding that adapter scores it; a replica that dies is replaced with the adapters the pool serves."""
+    import ray
+
+    from tests.helpers import grpo_batch
+
+    api = InProcessBackend({"model_path": tiny_model, "engine": {"learning_rate": 1e-2, "lora": {"r": 8}},
+                            "sampler": {"name": "vllm", "replicas": 2, "kv_cache_mb": 64, "max_model_len": 256,
+                                        "adapters": 2}, "ray": {"num_cpus": 2}})
+    pool = api.sampler
+    try:
+        for _ in range(2):
+            api.fwd_bwd(grpo_batch(groups=2, group_size=2, vocab=api.engine.vocab_size), "grpo")
+            api.step()
+        api.save_adapter(str(tmp_path / "t1"))
+        api.add_adapter("t1", str(tmp_path / "t1"))
+
+        def gap_to_trainer(sampling) -> float:
+            out = api.generate(PROMPTS, {"n": 2, "max_tokens": 8, "temperature": 1.0, **sampling})
+            assert len(pool.last_deal) == 2, pool.last_deal  # both replicas sampled
+            trainer = api.log_probs([{"prompt_ids": PROMPTS[c.prompt_index], "response_ids": c.token_ids}
+                                     for c in out]).logprobs
+            return max_gap([c.logprobs for c in out], trainer)
+
+        assert gap_to_trainer({"adapter": "t1"}) < 1e-4
+        assert gap_to_trainer({}) > 1e-2  # without it, the base model's samples
+        ray.kill(pool._slots[0].actor, no_restart=True)
+        _wait_until(lambda: len(pool._alive(pool._slots)) == 1)  # seen dead: replaced in the background
+        assert pool.wait_healthy(timeout=180)
+        assert pool._slots[0].replacements == 1
+        assert gap_to_trainer({"adapter": "t1"}) < 1e-4  # the replacement serves t1 too
+        api.remove_adapter("t1")
+        with pytest.raises(InvalidRequest, match="sampling.adapter"):
+            api.generate(PROMPTS, {"max_tokens": 2, "adapter": "t1"})
+    finally:
+        api.close()

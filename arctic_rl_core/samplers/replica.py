@@ -52,6 +52,7 @@ class SamplerReplica:
                 "sync_route": self.sampler.sync_route, "exact_reshaped_logprobs": self.sampler.exact_reshaped_logprobs,
                 "continuous_batching": self.sampler.continuous_batching, "crosses_syncs": self.sampler.crosses_syncs,
                 "streams_tokens": self.sampler.streams_tokens,
+                "scores_under_adapters": self.sampler.scores_under_adapters,
                 "unsupported_sampling": sorted(self.sampler.unsupported_sampling)}
 
     def _call(self):
@@ -98,6 +99,12 @@ class SamplerReplica:
         if "error" in outcome:
             raise outcome["error"]
         yield "done", outcome["done"]
+
+    def add_adapter(self, name: str, path: str) -> None:
+        self.sampler.add_adapter(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        self.sampler.remove_adapter(name)
 
     def abort_generation(self) -> bool:
         return self.sampler.abort_generation()  # not under _busy: it ends the call that holds it

@@ -112,6 +112,10 @@ class SamplerPool(Sampler):
         """Which prompts (or sequences) of the last call each replica answered."""
         self.redealt = 0
         """Shares dealt again because their replica died during a call."""
+        self.adapters = config.sampler.adapters
+        self._adapters: dict[str, str] = {}
+        """The LoRA adapters every replica serves: name -> folder (a replacement loads them too)."""
+        self._adapters_lock = threading.Lock()
         try:
             self._layout = self.job.layout(config)
             self.cuda = self.job.accelerator() == "GPU"
@@ -165,6 +169,8 @@ class SamplerPool(Sampler):
             slot.facts = ray.get(slot.actor.facts.remote(), timeout=self.config.ray.start_timeout_s)
             with self._sync_lock:
                 state, error = self._catch_up(slot)
+            with self._adapters_lock:  # the adapters the pool serves, on the replacement too
+                ray.get([slot.actor.add_adapter.remote(name, path) for name, path in self._adapters.items()])
         except Exception as err:
             log.error("sampler replica %d could not be replaced: %s", slot.index, err)
             self._set(slot, "failed", f"replacement failed: {err}")
@@ -319,8 +325,7 @@ class SamplerPool(Sampler):
         """Every live replica (ready or stale) loads the new weights. A sync that fails part-way leaves the
         replicas it reached stale and raises; one that completes makes them ready at `version`."""
         with self._sync_lock:
-            with self._changed:
-                slots = [s for s in self._slots if s.state in ("ready", "stale")]
+            slots = self._live()
             if not slots:
                 raise SamplerReplicaFailed("no live sampler replica to sync: "
                                            + "; ".join(f"{s.index}: {s.state}" for s in self._slots))
@@ -456,6 +461,27 @@ class SamplerPool(Sampler):
     def unsupported_sampling(self) -> frozenset[str]:
         return frozenset(name for slot in self._slots for name in slot.facts.get("unsupported_sampling", ()))
 
+    def add_adapter(self, name: str, path: str) -> None:
+        """Every live replica serves the adapter (so a request naming it may be dealt to any), as does a
+        replacement."""
+        with self._adapters_lock:
+            self._each(self._live(), "add_adapter", name, path)
+            self._adapters[name] = path
+
+    def remove_adapter(self, name: str) -> None:
+        with self._adapters_lock:
+            self._adapters.pop(name, None)
+            self._each(self._live(), "remove_adapter", name)
+
+    def _live(self) -> list[_Slot]:
+        """The slots whose replica is up (ready, or stale: waiting for the next sync)."""
+        with self._changed:
+            return [slot for slot in self._slots if slot.state in ("ready", "stale")]
+
+    @property
+    def scores_under_adapters(self) -> bool:
+        return all(slot.facts.get("scores_under_adapters", True) for slot in self._slots)
+
     @property
     def streams_tokens(self) -> bool:
         return all(slot.facts.get("streams_tokens", False) for slot in self._slots)
@@ -474,8 +500,7 @@ class SamplerPool(Sampler):
         """Every live replica ends the engine call it runs; False if one could not be reached."""
         import ray
 
-        with self._changed:
-            actors = [s.actor for s in self._slots if s.state in ("ready", "stale")]
+        actors = [slot.actor for slot in self._live()]
         try:
             return all(ray.get([actor.abort_generation.remote() for actor in actors], timeout=30))
         except Exception as err:  # a dead replica is found and replaced by the next call, as always
@@ -484,9 +509,7 @@ class SamplerPool(Sampler):
 
     def engine_metrics(self) -> str:
         """Every live replica's engine metrics, its samples labelled `engine` with the replica's index."""
-        with self._changed:
-            slots = [s for s in self._slots if s.state in ("ready", "stale")]
-        return relabelled({str(slot.index): text for slot, text in self._each_result(slots, "engine_metrics")})
+        return relabelled({str(slot.index): text for slot, text in self._each_result(self._live(), "engine_metrics")})
 
     # -- status ----------------------------------------------------------------------------------
 
