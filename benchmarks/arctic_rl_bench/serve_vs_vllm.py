@@ -13,7 +13,7 @@ Workloads (token-id prompts on `/v1/completions`, temperature 1):
 - `stream_ttft`: a streamed 64-token request 0.5 s behind 8 of 256 tokens: time to its first token, chunks;
 - `grpo_group`: one prompt as 16 requests of 64 tokens at once (a GRPO group sent one sample per request);
 - `single`: one request of 512 tokens alone;
-- `pause_abort`: `POST /pause?mode=abort` 1 s into 4 requests of 512 tokens: the partial tokens returned.
+- `pause_abort`: `POST /pause?mode=abort` 1 s after 4 requests of 512 tokens all run in the engine: the partial tokens returned.
 """
 
 from __future__ import annotations
@@ -185,13 +185,28 @@ async def single(http) -> dict:
     return {"seconds": seconds}
 
 
+async def _running(http) -> float:
+    """Requests the server's engine runs now (vLLM's `vllm:num_requests_running`, on both servers' /metrics)."""
+    text = (await http.get("/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
 async def pause_abort(http) -> dict:
+    """Abort 1 s after all four requests run in the engine. A request that reached the server only after the pause
+    would wait for a resume this workload sends after they end (on a loaded machine a request can take seconds to
+    arrive): so the pause waits for all four, and a request still held after 60 s is reported, not waited on."""
     running = [asyncio.create_task(_complete(http, _prompt(300 + i), 512)) for i in range(4)]
+    deadline = time.perf_counter() + 60
+    while await _running(http) < 4 and time.perf_counter() < deadline and not any(r.done() for r in running):
+        await asyncio.sleep(0.02)
     await asyncio.sleep(1.0)
     (await http.post("/pause", params={"mode": "abort"})).raise_for_status()
-    done = await asyncio.gather(*running)
+    finished, held = await asyncio.wait(running, timeout=60)
     (await http.post("/resume")).raise_for_status()
-    return {"partial_tokens": sorted(t for _, t, _ in done), "finish": sorted({f for _, _, f in done})}
+    done = [r.result() for r in running]
+    return {"partial_tokens": sorted(t for _, t, _ in done), "finish": sorted({f for _, _, f in done}),
+            "held_by_the_pause": len(held)}
 
 
 WORKLOADS = {"short_behind_long": short_behind_long, "heavy_tail": heavy_tail, "stream_ttft": stream_ttft,
