@@ -129,6 +129,7 @@ class InProcessBackend(TrainingAPI):
         self.learning_rate: float | None = None
         """Of the last step (status reports it: a framework's schedule can be seen reaching the job)."""
         self._aborts = 0
+        """`abort_generation` calls so far: a generate call that waited for the sampler through one is aborted."""
         self._adapters: set[str] = set()
         """The LoRA adapters the sampler serves (`add_adapter`)."""
         self._adapter_layout: AdapterLayout | None = None
@@ -467,7 +468,6 @@ class InProcessBackend(TrainingAPI):
         `calls` again (the same deterministic computation, in the same order)."""
         with self._train_lock, self._weights_lock:
             self.engine.load(path, trainable_only=True)
-            self._accumulated = []
             if self.config.engine.lora is not None:
                 self.engine.shape_adapter(shape)
             with self._sampler_asleep():

@@ -88,16 +88,12 @@ class AdapterShaper:
 
         self.layers = {name: module for name, module in peft_model.named_modules() if isinstance(module, LoraLayer)}
         first = next(iter(self.layers.values()))
-        self.rank = first.r[ADAPTER]
+        self.layout = AdapterLayout(first.r[ADAPTER], {name: family(name, layer is head)
+                                                       for name, layer in self.layers.items()})
         self.alpha = first.lora_alpha[ADAPTER]
         self.scaling = {name: layer.scaling[ADAPTER] for name, layer in self.layers.items()}
-        self.families = {name: family(name, layer is head) for name, layer in self.layers.items()}
         self.shape: AdapterShape | None = None
         self._hooks: list = []
-
-    @property
-    def layout(self) -> "AdapterLayout":
-        return AdapterLayout(self.rank, self.families)
 
     def apply(self, shape: AdapterShape | None) -> None:
         """The adapter computes `shape` from now on: masks on the lora_A outputs, alpha / rank as scaling."""
@@ -117,7 +113,7 @@ class AdapterShaper:
             root = math.sqrt(shape.rank) if layer.use_rslora[ADAPTER] else shape.rank
             layer.scaling[ADAPTER] = self.alpha / root
             lora_a = layer.lora_A[ADAPTER]
-            mask = torch.zeros(self.rank, dtype=lora_a.weight.dtype, device=lora_a.weight.device)
+            mask = torch.zeros(self.layout.rank, dtype=lora_a.weight.dtype, device=lora_a.weight.device)
             if name in kept:
                 mask[:shape.rank] = 1
             self._hooks.append(lora_a.register_forward_hook(lambda _m, _x, out, mask=mask: out * mask))
