@@ -1,0 +1,25 @@
+"""`arctic-rl bench serve --vs-vllm` starts both servers below its own client."""
+
+import os
+import subprocess
+import sys
+
+from arctic_rl_bench.serve_vs_vllm import SERVER_NICE, _below_the_client
+
+REPORT = ("import os; group = '/proc/self/autogroup'; "
+          "print(os.nice(0), open(group).read().strip() if os.path.exists(group) else '', sep='|')")
+
+
+def test_a_server_and_what_it_starts_run_below_the_client():
+    # The server's first process reports itself, then starts a process that reports too.
+    command = [sys.executable, "-c", f"import subprocess, sys; exec({REPORT!r}); "
+               f"subprocess.run([sys.executable, '-c', {REPORT!r}])"]
+    first, started = subprocess.run(command, capture_output=True, text=True, start_new_session=True,
+                                    preexec_fn=_below_the_client, timeout=60, check=True).stdout.splitlines()
+    ours = os.nice(0)
+    nice, group = first.split("|")
+    assert int(nice) == min(ours + SERVER_NICE, 19) > ours
+    if group:  # the kernel groups processes by session: the server's session is below the client's too
+        assert group.endswith(f"nice {SERVER_NICE}"), group
+        assert group.split()[0] != open("/proc/self/autogroup").read().split()[0]  # its own, not the client's
+    assert started == first  # what the server starts inherits both
