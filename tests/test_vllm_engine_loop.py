@@ -1,9 +1,11 @@
 """The loop that drives vLLM's engine for every caller, on a scripted engine with vLLM's interface (add_request, step,
 abort_request, has_unfinished_requests): requests join between steps, each call answers on its own, an abort
 returns what was sampled, a weight update cuts requests in flight and they go on from what they sampled with each
-token's version, a failing step fails the callers in flight and the loop refuses later work.
+token's version, a failing step fails the callers in flight and the loop refuses later work; where the engine's core
+is a process of its own, work arriving while the loop waits for that core is taken at once.
 (On the real engine: tests/test_vllm_sampler.py.)"""
 
+import queue
 import threading
 from types import SimpleNamespace
 
@@ -59,6 +61,22 @@ class ScriptedEngine:
             if done:
                 del self.running[request_id]
         return outputs
+
+
+class CoreProcessEngine(ScriptedEngine):
+    """As vLLM's `LLMEngine` over a core in another process (`SyncMPClient`): `step()` waits for that core's next
+    outputs in a queue. Here the core sends a step's outputs only when the test puts "step" in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine_core = SimpleNamespace(outputs_queue=queue.Queue())
+
+    def step(self):
+        outputs = self.engine_core.outputs_queue.get()
+        if outputs != "step":
+            assert not outputs.outputs  # the loop's wake-up: vLLM's empty `EngineCoreOutputs`
+            return []
+        return super().step()
 
 
 def _params(max_tokens, n=1):
@@ -179,3 +197,30 @@ def test_holds_nest_and_an_abort_while_held_returns_what_was_sampled(loop):
     assert result.samples[0].finish_reason == "abort" and 4 <= len(result.samples[0].token_ids) <= 5
     loop.release()
     assert loop.in_flight == 0 and not loop.engine.running
+
+
+def test_work_arriving_while_the_loop_waits_on_a_core_process_is_taken_without_waiting_for_its_step():
+    engine = CoreProcessEngine()
+    loop = EngineLoop(lambda: SimpleNamespace(llm_engine=engine))
+    try:
+        long = loop.submit([{"prompt_token_ids": [1]}], _params(50))
+        engine.engine_core.outputs_queue.put("step")
+        while engine.steps < 1:
+            threading.Event().wait(0.001)
+        # The loop now waits in step() for outputs the core will not send until the test says so.
+        answered = []
+        caller = threading.Thread(target=lambda: answered.append(loop.call(lambda: len(engine.running))))
+        caller.start()
+        caller.join(10)
+        assert answered == [1]
+        short = loop.submit([{"prompt_token_ids": [2]}], _params(2))
+        loop.call(lambda: None)  # the short request was added before this call ran
+        assert len(engine.added) == 2 and engine.steps == 1
+        for _ in range(2):
+            engine.engine_core.outputs_queue.put("step")
+        assert [s.token_ids for s in short.result(10)[0].samples] == [[101, 102]]
+        assert not long.done()
+    finally:
+        for _ in range(100):
+            engine.engine_core.outputs_queue.put("step")
+        loop.close()

@@ -4,8 +4,11 @@ vLLM's offline engine (`LLMEngine`) is continuously batched inside, but not thre
 time, a short request sent while a long call runs waits for that whole call. Here a single thread owns the
 engine (it builds it, steps it, and runs every other use of it: weight loads, cache resets, RPCs to the
 workers), and callers from any thread hand it requests. A request is added at the next step boundary and its
-caller is answered as soon as its own samples finish. Outputs come as deltas (vLLM's `RequestOutputKind.DELTA`),
-so what a request sampled so far is known at every step: an abort returns it, with its log-probs.
+caller is answered as soon as its own samples finish. Where the engine's core runs in a process of its own, the
+loop waits at that boundary for the core's next outputs; a caller's request or call ends that wait (an empty output
+in their queue), so it reaches the core during the core's step in progress, not after it. Outputs come as deltas
+(vLLM's `RequestOutputKind.DELTA`), so what a request sampled so far is known at every step: an abort returns it,
+with its log-probs.
 
 A weight update crosses the requests in flight (`held`): at a step boundary each one is ended in the engine,
 keeping what it sampled; the weights change while nothing steps; then each sample goes on as a new request whose
@@ -91,6 +94,8 @@ class EngineLoop:
         self._holds = 0
         self._suspended: list[tuple[_Request, int]] = []  # cut samples (request, index among its samples)
         self._deferred: list[tuple] = []  # calls submitted while held: added at the release
+        self._core_outputs: queue.Queue | None = None
+        """The engine core's output queue, where that core is a process of its own (vLLM's `SyncMPClient`)."""
         built: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, built), name=name, daemon=True)
         self._thread.start()
@@ -167,6 +172,16 @@ class EngineLoop:
             if self._closed:
                 raise ArcticRLError("the vLLM sampler's engine loop has stopped")
             self._commands.put(command)
+            if self._core_outputs is not None:
+                self._wake()
+
+    def _wake(self) -> None:
+        """End the loop's wait for the core's next outputs: `step()` takes an empty output, which changes nothing,
+        and the loop then runs the commands waiting. Every command wakes it: one that finds the loop idle leaves an
+        empty output its next step takes at once, which costs less than telling the two cases apart without a race."""
+        from vllm.v1.engine import EngineCoreOutputs
+
+        self._core_outputs.put_nowait(EngineCoreOutputs())
 
     # -- the engine's thread ---------------------------------------------------------------------------
 
@@ -176,8 +191,9 @@ class EngineLoop:
         except BaseException as err:  # noqa: BLE001 -- the constructor's caller raises it
             built.set_exception(err)
             return self._shutdown(ArcticRLError("the vLLM sampler failed to start"))
-        built.set_result(llm)
         self._engine = engine = llm.llm_engine
+        self._core_outputs = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
+        built.set_result(llm)
         while True:
             # Idle (or held): wait for work. Running: take whatever arrived, then one engine step.
             stepping = engine.has_unfinished_requests()
