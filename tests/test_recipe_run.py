@@ -1,9 +1,16 @@
-"""The driver end to end: a shortened tiny text2sql recipe on vLLM, with ZoRRo and async pipelining on.
+"""The driver end to end: the tiny text2sql recipe on vLLM, with ZoRRo on, synchronous and pipelined.
 
 Each run is its own `arctic-rl train` process (one in-process vLLM engine per process).
+
+The accuracy gain is asserted on a synchronous run (`pipeline.max_staleness=0`): each batch is sampled from the
+weights of the step before, whatever the machine's load, so the run is the same each time on one kind of CPU. The
+recipe as shipped pipelines (`max_staleness: 1`), and its weight syncs cross generation in flight: which weight
+version samples which token then depends on timing, and so does the accuracy it ends at (0.415 -> 0.45 in one
+loaded run, +10 to +13.5 points in others). The pipelined run asserts its mechanics.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,8 +20,10 @@ import pytest
 from arctic_rl_core.engines.distributed import standalone_env
 
 GRPO_STEPS = 150
-"""The recipe's full GRPO length: held-out accuracy gains 0.04-0.06 after 50 steps, within the evaluation's noise,
-and 0.10-0.135 after 150 (docs/benchmarks.md, two machine draws)."""
+"""The recipe's full GRPO length: synchronous, held-out accuracy goes 0.415 -> 0.53 after 150 steps on an Intel Xeon,
+0.415 -> 0.505 under `ATEN_CPU_CAPABILITY=avx2` and 0.40 -> 0.47 under `=default` (2026-11-27; the first, run twice,
+ended at 0.53 both times)."""
+PIPELINED_STEPS = 12
 SHORT = ["grpo.steps={steps}", "eval.every=0", "progress=false", "seed=0"]
 
 
@@ -29,8 +38,16 @@ def train(tmp_path, *overrides, steps: int) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("recipe")
-    proc = train(tmp_path, "checkpoint.every=25", steps=GRPO_STEPS)
+    proc = train(tmp_path, "checkpoint.every=25", "pipeline.max_staleness=0", steps=GRPO_STEPS)
     return tmp_path, proc
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    """The recipe's own pipeline (`max_staleness: 1`), a few steps."""
+    tmp_path = tmp_path_factory.mktemp("pipelined")
+    train(tmp_path, steps=PIPELINED_STEPS)
+    return tmp_path
 
 
 def rows(tmp_path) -> list[dict]:
@@ -57,12 +74,26 @@ def test_metrics_tensorboard_plot_and_phases(trained):
     # ZoRRo computed each group's shared prompt once; the peak memory is this process's, in GiB.
     assert all(r["computed_tokens"] < r["unshared_tokens"] for r in train_rows if r["groups_trained"])
     assert all(0.1 < r["peak_rss_gb"] < 64 for r in train_rows)
-    # Pipelined with max_staleness 1: after the first step, batches were sampled one version behind.
-    assert max(r["staleness"] for r in train_rows) == 1
+    assert all(r["staleness"] == 0 for r in train_rows)  # synchronous
     run = tmp_path / "run"
     assert os.path.getsize(run / "plot.png") > 10_000
     assert any(name.startswith("events.out.tfevents") for name in os.listdir(run / "tensorboard"))
     assert sorted(os.listdir(run / "checkpoints")) == [f"step_{GRPO_STEPS:06d}"]  # keep_last: 1
+
+
+def test_pipelined_batches_are_sampled_at_most_one_version_behind(pipelined):
+    train_rows = [r for r in rows(pipelined) if r["kind"] == "train"]
+    assert [r["step"] for r in train_rows] == list(range(1, PIPELINED_STEPS + 1))
+    # A batch is sent to the sampler as the one before it is taken, and samples while that one trains: never more
+    # than one version behind, so nothing is dropped. Whether its first tokens come before that step's sync (one
+    # behind) or after it (none: the sync cut it first) is timing; tests/test_pipeline.py asserts the overlap.
+    staleness = [r["staleness"] for r in train_rows]
+    assert staleness[0] == 0 and set(staleness) <= {0, 1}, staleness
+    assert all(r["dropped"] == 0 for r in train_rows)
+    summary = json.load(open(pipelined / "run" / "summary.json"))
+    assert summary["dropped_stale"] == 0
+    trained = [r for r in train_rows if r["groups_trained"]]  # a group whose samples all scored alike trains nothing
+    assert trained and all(math.isfinite(r["loss"]) for r in trained)
 
 
 def test_resume_continues_from_the_newest_checkpoint(trained):
