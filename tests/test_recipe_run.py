@@ -92,8 +92,8 @@ def test_pipelined_batches_are_sampled_at_most_one_version_behind(pipelined):
     assert all(r["dropped"] == 0 for r in train_rows)
     summary = json.load(open(pipelined / "run" / "summary.json"))
     assert summary["dropped_stale"] == 0
-    trained = [r for r in train_rows if r["groups_trained"]]  # a group whose samples all scored alike trains nothing
-    assert trained and all(math.isfinite(r["loss"]) for r in trained)
+    learned = [r for r in train_rows if r["groups_trained"]]  # a group whose samples all scored alike trains nothing
+    assert learned and all(math.isfinite(r["loss"]) for r in learned)
 
 
 def test_resume_continues_from_the_newest_checkpoint(trained):
