@@ -224,3 +224,19 @@ def test_work_arriving_while_the_loop_waits_on_a_core_process_is_taken_without_w
         for _ in range(100):
             engine.engine_core.outputs_queue.put("step")
         loop.close()
+
+
+def test_closing_a_loop_that_waits_on_a_core_process_ends_it_at_once():
+    engine = CoreProcessEngine()
+    loop = EngineLoop(lambda: SimpleNamespace(llm_engine=engine))
+    running = loop.submit([{"prompt_token_ids": [1]}], _params(50))
+    engine.engine_core.outputs_queue.put("step")
+    while engine.steps < 1:
+        threading.Event().wait(0.001)
+    # The loop waits in step() for outputs the core will not send: closing must not wait for them.
+    closer = threading.Thread(target=loop.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()
+    with pytest.raises(ArcticRLError, match="closed"):
+        running.result(0)

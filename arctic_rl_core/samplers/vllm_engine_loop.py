@@ -165,6 +165,8 @@ class EngineLoop:
             if self._closed:
                 return
             self._commands.put(("stop", None, None))
+            if self._core_outputs is not None:
+                self._wake()
         self._thread.join(timeout=60)
 
     def _put(self, command) -> None:
