@@ -79,6 +79,18 @@ class CoreProcessEngine(ScriptedEngine):
         return super().step()
 
 
+def _waiting_on_the_core():
+    """(engine, loop, the request's future): a loop over a core process with one 50-token request in flight, after
+    one step. The loop waits in `step()` for outputs the core will not send until the test puts "step"."""
+    engine = CoreProcessEngine()
+    loop = EngineLoop(lambda: SimpleNamespace(llm_engine=engine))
+    running = loop.submit([{"prompt_token_ids": [1]}], _params(50))
+    engine.engine_core.outputs_queue.put("step")
+    while engine.steps < 1:
+        threading.Event().wait(0.001)
+    return engine, loop, running
+
+
 def _params(max_tokens, n=1):
     return SamplingParams(max_tokens=max_tokens, n=n)
 
@@ -200,14 +212,8 @@ def test_holds_nest_and_an_abort_while_held_returns_what_was_sampled(loop):
 
 
 def test_work_arriving_while_the_loop_waits_on_a_core_process_is_taken_without_waiting_for_its_step():
-    engine = CoreProcessEngine()
-    loop = EngineLoop(lambda: SimpleNamespace(llm_engine=engine))
+    engine, loop, long = _waiting_on_the_core()
     try:
-        long = loop.submit([{"prompt_token_ids": [1]}], _params(50))
-        engine.engine_core.outputs_queue.put("step")
-        while engine.steps < 1:
-            threading.Event().wait(0.001)
-        # The loop now waits in step() for outputs the core will not send until the test says so.
         answered = []
         caller = threading.Thread(target=lambda: answered.append(loop.call(lambda: len(engine.running))))
         caller.start()
@@ -227,13 +233,8 @@ def test_work_arriving_while_the_loop_waits_on_a_core_process_is_taken_without_w
 
 
 def test_closing_a_loop_that_waits_on_a_core_process_ends_it_at_once():
-    engine = CoreProcessEngine()
-    loop = EngineLoop(lambda: SimpleNamespace(llm_engine=engine))
-    running = loop.submit([{"prompt_token_ids": [1]}], _params(50))
-    engine.engine_core.outputs_queue.put("step")
-    while engine.steps < 1:
-        threading.Event().wait(0.001)
-    # The loop waits in step() for outputs the core will not send: closing must not wait for them.
+    engine, loop, running = _waiting_on_the_core()
+    # Closing must not wait for the core's outputs.
     closer = threading.Thread(target=loop.close)
     closer.start()
     closer.join(10)

@@ -165,8 +165,7 @@ class EngineLoop:
             if self._closed:
                 return
             self._commands.put(("stop", None, None))
-            if self._core_outputs is not None:
-                self._wake()
+            self._wake()
         self._thread.join(timeout=60)
 
     def _put(self, command) -> None:
@@ -174,13 +173,15 @@ class EngineLoop:
             if self._closed:
                 raise ArcticRLError("the vLLM sampler's engine loop has stopped")
             self._commands.put(command)
-            if self._core_outputs is not None:
-                self._wake()
+            self._wake()
 
     def _wake(self) -> None:
-        """End the loop's wait for the core's next outputs: `step()` takes an empty output, which changes nothing,
-        and the loop then runs the commands waiting. Every command wakes it: one that finds the loop idle leaves an
-        empty output its next step takes at once, which costs less than telling the two cases apart without a race."""
+        """End the loop's wait for the core's next outputs, where the core is a process of its own: `step()` takes an
+        empty output, which changes nothing, and the loop then runs the commands waiting. Every command wakes it: one
+        that finds the loop idle leaves an empty output its next step takes at once, which costs less than telling
+        the two cases apart without a race."""
+        if self._core_outputs is None:  # the core runs in this process: `step()` computes, it never waits
+            return
         from vllm.v1.engine import EngineCoreOutputs
 
         self._core_outputs.put_nowait(EngineCoreOutputs())
