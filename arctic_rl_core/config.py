@@ -149,10 +149,11 @@ class SamplerConfig(_Config):
     sync_host: str = "127.0.0.1"
     """Address the vLLM worker uses to reach the trainer for the broadcast path."""
     bucket_mb: float = Field(64, gt=0)
-    cpu_weight_layout: Literal["plain", "packed"] = "plain"
-    """vLLM-CPU only. `plain` keeps linear weights as loaded (F.linear), so a sync writes them in place;
-    `packed` is vLLM's own default (oneDNN's blocked layout): faster decoding of small batches, but every
-    sync must rebuild and repack the weights. docs/sampler.md compares both."""
+    cpu_weight_layout: Literal["packed", "plain"] = "packed"
+    """vLLM-CPU only. Both keep the linear weights as loaded, where a sync writes them in place. `packed` multiplies
+    with vLLM's own oneDNN packs of them (its default kernels: at vLLM's decoding speed), rebuilt after each sync;
+    `plain` with F.linear on them (a faster sync, half the weights' memory, slower small-batch decoding).
+    docs/sampler.md compares both."""
     max_model_len: int | None = None
     """Defaults to the model's context."""
     kv_cache_mb: int = Field(512, ge=16)

@@ -29,11 +29,12 @@ _SCENARIO = pytest.mark.scenario
 
 
 @pytest.mark.parametrize("sync, placement, layout, route", [
-    pytest.param("shared_memory", "in_process", "packed", "worker_reload", marks=_SCENARIO),  # the worker reloads the trainer's tensors; vLLM repacks
-    ("shared_memory", "in_process", "plain", "direct"),  # the trainer writes straight into vLLM's tensors
-    pytest.param("shared_memory", "subprocess", "plain", "direct", marks=_SCENARIO),  # ... which live in a shared-memory file
-    pytest.param("shared_memory", "subprocess", "packed", "buckets", marks=_SCENARIO),  # through two shared-memory slots
-    pytest.param("broadcast", "subprocess", "packed", "buckets", marks=_SCENARIO),
+    # the trainer writes straight into vLLM's tensors; the packed layout's oneDNN packs are rebuilt from them
+    ("shared_memory", "in_process", "packed", "direct"),
+    pytest.param("shared_memory", "in_process", "plain", "direct", marks=_SCENARIO),  # F.linear reads them as written
+    pytest.param("shared_memory", "subprocess", "packed", "direct", marks=_SCENARIO),  # ... in a shared-memory file
+    pytest.param("shared_memory", "subprocess", "plain", "direct", marks=_SCENARIO),
+    pytest.param("broadcast", "subprocess", "packed", "buckets", marks=_SCENARIO),  # loaded in place, then repacked
     pytest.param("broadcast", "subprocess", "plain", "buckets", marks=_SCENARIO),  # loaded in place by vLLM's load_weights
     pytest.param("file", "in_process", "packed", "file", marks=_SCENARIO),
     pytest.param("file", "subprocess", "packed", "file", marks=_SCENARIO),
@@ -50,14 +51,16 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
     assert result["behaviour_err"] <= 1e-3  # sampled log-probs are usable as behaviour log-probs
     assert result["shared_memory_files"] == []  # each is unlinked once both sides have it mapped
     if placement == "in_process":
-        # plain: multiplied with F.linear on tensors that syncs overwrite; packed: vLLM's oneDNN kernels
+        # plain: multiplied with F.linear on the tensors that syncs overwrite; packed: vLLM's oneDNN kernels on
+        # packs of those tensors (the synced log-probs above show the packs were rebuilt)
         assert result["plain_linear"] == (layout == "plain")
-        if layout == "plain":
-            assert result["written_in_place"]
+        assert result["written_in_place"]
         # every change to vLLM's objects and environment is a recorded patch
         patches = result["patches"]
         assert patches["os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']"] == 0  # scoped to the engine's start
-        assert ("linear layers keep their checkpoint-layout weights (_cpu_skip_gemm_dispatch)" in patches) == (layout == "plain")
+        assert "linear layers keep their checkpoint-layout weights (_cpu_skip_gemm_dispatch)" in patches
+        packs = "linear layers and LM head multiply with oneDNN packs built from their kept weights (cpu_linear)"
+        assert (packs in patches) == (layout == "packed")
 
 
 @pytest.mark.scenario

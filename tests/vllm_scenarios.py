@@ -12,7 +12,7 @@ import threading
 import time
 
 
-def backend(model_dir, sync="shared_memory", placement="in_process", layout="plain", zorro=None, engine_args=None):
+def backend(model_dir, sync="shared_memory", placement="in_process", layout="packed", zorro=None, engine_args=None):
     from arctic_rl_core.backend import InProcessBackend
 
     # 0.1 MB buckets: the tiny model's weights then travel in several (the bucketed paths reuse their buffers).

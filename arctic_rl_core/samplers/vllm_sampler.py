@@ -35,6 +35,7 @@ from arctic_rl_core.samplers.engine_metrics import vllm_exposition
 from arctic_rl_core.samplers.vllm_engine_loop import EngineLoop
 from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
+from arctic_rl_core.samplers.vllm_plain_weights import PACKED_LOAD_FORMAT as PACKED_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
 from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
 from arctic_rl_core.types import Completion, SamplingParams
@@ -99,8 +100,9 @@ class VLLMSampler(Sampler):
         # prefilled in chunks; prefilling whole prompts avoids it.
         cpu_only = {} if self.cuda else {"enable_chunked_prefill": False,
                                          "max_num_batched_tokens": max(self.max_context, 8192)}
-        if not self.cuda and sc.cpu_weight_layout == "plain":
-            cpu_only["load_format"] = PLAIN_WEIGHTS_LOAD_FORMAT
+        if not self.cuda:
+            cpu_only["load_format"] = (PLAIN_WEIGHTS_LOAD_FORMAT if sc.cpu_weight_layout == "plain"
+                                       else PACKED_WEIGHTS_LOAD_FORMAT)
         cascade = config.zorro.inference  # checked at start-up (deepspeed_engine.refuse_unsupported)
         self.adapters = sc.adapters
         self._loras: dict[str, Any] = {}
@@ -351,6 +353,7 @@ class VLLMSampler(Sampler):
             self._check_direct(weights)
         if self._direct is not None:
             count = self._loop.call(self._write_direct, weights)  # between engine steps
+            self.rpc("arctic_repack")  # the packed layout's kernels read packs built from these weights
         elif self._buckets:
             count = self._sync_buckets(weights)
         elif self.config.sync == "shared_memory":

@@ -29,6 +29,7 @@ import torch
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.patches import InstancePatch
 from arctic_rl_core.samplers.vllm_plain_weights import MARKER as PLAIN_WEIGHTS
+from arctic_rl_core.samplers.vllm_plain_weights import repack
 
 
 def _broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
@@ -271,6 +272,11 @@ class WeightSyncExtension:
                 "params": {name: [offsets[name], str(p.dtype).removeprefix("torch."), list(p.shape)]
                            for name, p in params.items()}}
 
+    def arctic_repack(self) -> int:
+        """After the trainer wrote the weights in place: rebuild the packs the forward pass multiplies with
+        (`cpu_weight_layout: packed`; nothing for plain weights)."""
+        return repack(self.model_runner.get_model())
+
     def arctic_join_sync_group(self, host: str, port: int, timeout_s: float, nccl: bool) -> bool:
         """Join the trainer's two-member process group (trainer rank 0, this worker rank 1)."""
         self._arctic_group, self._arctic_store = join_group(host, port, 1, timeout_s, is_master=False, nccl=nccl)
@@ -299,6 +305,7 @@ class WeightSyncExtension:
 
         if self._arctic_in_place():
             self.model_runner.get_model().load_weights(counted())
+            self.arctic_repack()
         else:
             self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         return count
