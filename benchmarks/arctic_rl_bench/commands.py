@@ -15,6 +15,7 @@ BENCHMARKS = {
     "server": "HTTP round-trip latency, payload throughput and fwd_bwd request overhead over loopback",
     "serve": "requests/s and tokens/s through /v1/completions vs the direct generate call, on one sampler; "
              "--vs-vllm: against vllm serve with the same engine arguments",
+    "generate": "the backend's generate against vLLM's own LLM.generate, same engine arguments, one side at a time",
     "update": "an adapter's actor update: log_probs + fwd_bwd (two forwards) vs fwd_bwd returning log-probs (one)",
     "sync": "sync_weights time and GB/s per path and model size, beside memcpy",
     "scale": "generate with 1 vs 2 sampler replicas, fwd_bwd with 1 vs 2 trainer ranks, the driver's per-call overhead",

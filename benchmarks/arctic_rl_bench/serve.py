@@ -101,6 +101,10 @@ def add_arguments(p) -> None:
     p.add_argument("--workloads", nargs="+", default=None, help="--vs-vllm: a subset of the workloads")
     p.add_argument("--placement", choices=["subprocess", "in_process"], default="subprocess",
                    help="--vs-vllm: our vLLM engine core in a process of its own (as vllm serve runs it) or ours")
+    p.add_argument("--model", choices=["compute", "tiny"], default="compute",
+                   help="--vs-vllm: a model whose arithmetic is most of a step, or a tiny one")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="--vs-vllm: each round starts only the server it measures, so the two never share the machine")
 
 
 def main(args) -> int:
