@@ -18,6 +18,7 @@ import numpy as np
 
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.batching import build_micro_batches, refuse_unread, require_fields, validate_sequences
+from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.locks import SharedLock
@@ -233,21 +234,25 @@ class InProcessBackend(TrainingAPI):
         return request
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
-                 session: str | None = None, on_tokens=None) -> list[Completion]:
-        """`on_tokens(prompt index, sample index, token ids)`: a sampler that streams tokens calls it with each
-        engine step's new tokens; another sampler does not call it."""
+                 session: str | None = None, on_tokens=None, cancel: Cancellation | None = None) -> list[Completion]:
+        """`on_tokens(prompt index, sample index, token ids, log-probs, top log-probs)`: a sampler that streams
+        tokens calls it with each engine step's new tokens; another sampler does not call it. `cancel`: once cancelled (a client that went
+        away), a sampler that can (`cancels_calls`) ends this call's requests at its next step, and the call returns
+        what they sampled so far; another runs it to its end."""
         request = self.checked_generate(prompts, sampling, session)
         prompts, params = request.prompts, request.sampling
         epoch = self._aborts
         with self._sampler_in_use():
-            if self._aborts != epoch:  # aborted while it waited for the sampler
+            if self._aborts != epoch or cancel is not None and cancel.cancelled:  # while it waited for the sampler
                 completions = [Completion(prompt_index=i, token_ids=[], logprobs=[], finish_reason="abort",
                                           weight_version=self._weight_version)
                                for i in range(len(prompts)) for _ in range(params.n)]
             else:
-                streamed = {"on_tokens": on_tokens} if on_tokens is not None and self.sampler.streams_tokens else {}
+                extra = {"on_tokens": on_tokens} if on_tokens is not None and self.sampler.streams_tokens else {}
+                if cancel is not None and self.sampler.cancels_calls:
+                    extra["cancel"] = cancel
                 completions = self.sampler.generate([token_list(p) for p in prompts], params, self._weight_version,
-                                                    **streamed)
+                                                    **extra)
         with self._counters_lock:
             self.generated["calls"] += 1
             self.generated["completions"] += len(completions)

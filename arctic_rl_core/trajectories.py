@@ -30,9 +30,11 @@ class TrajectoryStore:
         self.evicted = 0
         self.recorded_turns = 0
 
-    def record(self, session: str, prompts: list, completions: list[Completion]) -> None:
+    def record(self, session: str, prompts: list, completions: list[Completion], cancelled: bool = False) -> None:
+        """`cancelled`: the client went away before its answer; `completions` hold what it received."""
         turns = [Turn(prompt_ids=token_list(prompts[c.prompt_index]), token_ids=c.token_ids, logprobs=c.logprobs,
-                      finish_reason=c.finish_reason, weight_version=c.weight_version, token_versions=c.token_versions)
+                      finish_reason=c.finish_reason, weight_version=c.weight_version, token_versions=c.token_versions,
+                      cancelled=cancelled)
                  for c in completions]
         size = sum(len(t.prompt_ids) + len(t.token_ids) for t in turns)
         with self._lock:

@@ -340,6 +340,10 @@ class Turn(_Strict):
     weight_version: int
     token_versions: list[int] | None = None
     """As `Completion.token_versions`."""
+    cancelled: bool = False
+    """The client went away (disconnected, timed out) before the answer: `token_ids` are exactly the tokens it was
+    sent (none for a reply it never received), and the sampler stopped there. Such a turn trains as the truncated
+    turn it was: every token the agent saw, with its behaviour log-prob (`Episode.sequences`)."""
 
 
 class EpisodeRequest(_Strict):

@@ -147,6 +147,21 @@ def test_two_vllm_replicas_and_two_ranks_colocated_score_the_trainers_logprobs_a
             tokens = {engine: counters.get("vllm:generation_tokens", 0)
                       for engine, (_, counters, _) in engine_metrics(url).items()}
             assert set(tokens) == {"0", "1"} and min(tokens.values()) > 0, tokens  # both replicas sampled
+
+            # A stream its client closes after 3 pieces: the replica sampling it ends the call, as one sampler does.
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                    "model": tiny_model, "prompt": PROMPTS[2], "max_tokens": 1500, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True}) as response:
+                pieces = 0
+                for line in response.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        pieces += 1
+                        if pieces == 3:
+                            break
+            _wait_until(lambda: not any(ray.get(slot.actor.samples_in_flight.remote()) for slot in api.sampler._slots),
+                        timeout_s=60)
+            sampled = sum(counters.get("vllm:generation_tokens", 0) for _, counters, _ in engine_metrics(url).values())
+            assert sampled - sum(tokens.values()) < 750, (sampled, tokens)  # ended early, not at 1,500 tokens
     finally:
         api.close()
     assert not ray.is_initialized()

@@ -1,6 +1,6 @@
 """The loop that drives vLLM's engine for every caller, on a scripted engine with vLLM's interface (add_request, step,
 abort_request, has_unfinished_requests): requests join between steps, each call answers on its own, an abort
-returns what was sampled, a weight update cuts requests in flight and they go on from what they sampled with each
+returns what was sampled, a cancelled call ends alone with what it sampled, a weight update cuts requests in flight and they go on from what they sampled with each
 token's version, a failing step fails the callers in flight and the loop refuses later work; where the engine's core
 is a process of its own, work arriving while the loop waits for that core is taken at once.
 (On the real engine: tests/test_vllm_sampler.py.)"""
@@ -151,6 +151,42 @@ def test_an_abort_returns_what_each_sample_reached(loop):
     assert [s.finish_reason for s in result.samples] == ["abort", "abort"]
     assert all(5 <= len(s.token_ids) <= 6 and len(s.logprobs) == len(s.token_ids) for s in result.samples)
     assert loop.in_flight == 0 and not loop.engine.running
+
+
+def test_cancelling_a_call_ends_its_requests_alone_and_it_returns_what_they_sampled(loop):
+    loop.engine.free_running = False
+    cancelled = loop.submit([{"prompt_token_ids": [1]}, {"prompt_token_ids": [2]}], _params(100, n=2))
+    other = loop.submit([{"prompt_token_ids": [3]}], _params(12))
+    _steps(loop, 5)
+    loop.cancel(cancelled)  # returns at once: a client's disconnect is heard on the server's event loop
+    _steps(loop, 1)  # taken at the next step boundary, after the step the loop may be waiting in
+    results = cancelled.result(10)
+    samples = [s for r in results for s in r.samples]
+    assert len(samples) == 4 and {s.finish_reason for s in samples} == {"abort"}
+    assert all(5 <= len(s.token_ids) <= 6 and len(s.logprobs) == len(s.token_ids) for s in samples)
+    assert len(loop.engine.running) == 1 and loop.in_flight == 1  # the other call's request alone goes on
+    loop.engine.free_running = True
+    loop.engine.step_gate.release(100)
+    assert other.result(10)[0].samples[0].token_ids == list(range(101, 113))
+    loop.cancel(other)  # already answered: nothing changes
+    assert loop.call(lambda: loop.in_flight) == 0
+
+
+def test_a_call_cancelled_while_a_weight_update_holds_it_ends_with_what_it_had(loop):
+    loop.engine.free_running = False
+    cut = loop.submit([{"prompt_token_ids": [1]}], _params(50))
+    _steps(loop, 4)
+    _hold(loop)
+    try:
+        waiting = loop.submit([{"prompt_token_ids": [2]}], _params(5, n=3))  # never added: the hold defers it
+        loop.cancel(cut)
+        loop.cancel(waiting)
+        [held] = cut.result(10)
+        assert held.samples[0].finish_reason == "abort" and 4 <= len(held.samples[0].token_ids) <= 5
+        assert [(s.token_ids, s.finish_reason) for s in waiting.result(10)[0].samples] == [([], "abort")] * 3
+    finally:
+        loop.release(version=1)
+    assert loop.in_flight == 0 and not loop.engine.running and len(loop.engine.added) == 1
 
 
 def test_a_request_the_engine_refuses_fails_its_call_alone_and_leaves_nothing_running(loop):

@@ -102,6 +102,11 @@ def test_serving_routes_report_the_vllm_samplers_own_log_probs(tiny_model):
     assert result["top_sizes"] in ([3], [3, 4], [4]) and result["top_ordered"]
     assert result["prompt_ranks"] in ([2], [2, 3], [3])
     assert result["captured"]
+    # temperature 0.7, top_p 0.95 with nothing of ours: the sampled distribution's log-probs, reported and captured
+    assert result["agent_reported_is_captured"], result
+    # (positions where a token's rank sits on the nucleus' edge, within rounding, are not compared)
+    assert result["agent_err"] <= 1e-4 and result["agent_compared"] >= result["agent_positions"] // 2, result
+    assert result["agent_step"] == [True, True], result  # a GRPO step on the captured episode trains
 
 
 @pytest.mark.scenario
@@ -148,6 +153,23 @@ def test_streamed_replies_arrive_as_the_engine_samples_them(tiny_model):
     # a stop string: the content is the reply cut before it, and no piece ever held any of it
     assert result["chat_pieces"] > 2 and result["chat_content_is_cut_reply"] and not result["stop_sent"], result
     assert result["chat_finish"] == [["stop", True]], result
+    # with log-probs too: a piece per step, the first while sampling, their entries the captured behaviour log-probs
+    assert result["logprob_pieces"] == 60 and result["logprobs_while_sampling"], result
+    assert result["streamed_logprobs_are_captured"] and result["streamed_tops"] == [2], result
+    assert result["completion_offsets"] == [40, True], result
+
+
+@pytest.mark.scenario
+def test_a_client_that_goes_away_stops_its_request_and_the_episode_keeps_what_it_received(tiny_model):
+    result = run_scenario("cancelled", tiny_model)
+    # A stream closed after 3 pieces: the engine stopped within a few steps (a token each), not at 1,500 tokens.
+    assert result["stream_received"] == 3 and result["stream_sampled"] - 3 <= 8, result
+    assert result["stream_turn"] == [True, True, "abort", True], result  # exactly what the client was sent
+    # A client that timed out after 1 s: its request stopped too, and the turn it never received holds no token.
+    assert result["timed_out"] and 0 < result["timeout_sampled"] < 1500, result
+    assert result["timeout_turn"] == [True, []], result
+    assert result["bystander"] == ["length", 300] and result["engine_idle"], result
+    assert result["cancelled"] == 2, result
 
 
 @pytest.mark.scenario

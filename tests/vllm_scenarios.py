@@ -35,7 +35,7 @@ def _sampling_all(api, prompts, sampling, box):
     every sample has at least one token (its engine step seen through `on_tokens`)."""
     started = set()
     running = threading.Thread(target=lambda: box.setdefault("out", api.generate(
-        prompts, sampling, on_tokens=lambda prompt, sample, tokens: started.add((prompt, sample)))))
+        prompts, sampling, on_tokens=lambda prompt, sample, *_: started.add((prompt, sample)))))
     running.start()
     return running, lambda: _wait_until(lambda: len(started) == len(prompts) * sampling.get("n", 1))
 
@@ -190,7 +190,48 @@ def serving(model_dir):
         choice = tokens["choices"][0]
         result["captured"] = (turn.prompt_ids == prompt and turn.token_ids == choice["token_ids"]
                               and turn.logprobs == [e["logprob"] for e in choice["logprobs"]["content"]])
+        result.update(_agent_sampling(api, sdk, model_dir))
     return result
+
+
+def _agent_sampling(api, sdk, model_dir) -> dict:
+    """An agent's usual setting, temperature 0.7 with top_p 0.95, with nothing of ours in the request: accepted; the
+    reported log-probs are those of the distribution sampled from (vLLM's processed ones, as `vllm serve` reports
+    them), the session captures the same, and a GRPO step trains on the captured episode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arctic_rl_core.types import LossSpec
+
+    out = sdk.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": "Name a colour."}],
+                                      temperature=0.7, top_p=0.95, max_tokens=12, logprobs=True, n=2, seed=7,
+                                      extra_body={"return_token_ids": True, "session_id": "agent", "ignore_eos": True})
+    turns = api.episode("agent").turns
+    reported = [[e.logprob for e in c.logprobs.content] for c in out.choices]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    errors, positions = [], 0
+    for turn in turns:
+        with torch.no_grad():
+            logits = model(torch.tensor([turn.prompt_ids + turn.token_ids])).logits[0, len(turn.prompt_ids) - 1:-1]
+        probs = torch.softmax(logits.double() / 0.7, -1)
+        for j, token in enumerate(turn.token_ids):
+            positions += 1
+            ranked, order = probs[j].sort(descending=True)
+            before = ranked.cumsum(0) - ranked  # the mass of the tokens ranked above each
+            kept = order[before < 0.95]
+            if ((before - 0.95).abs() < 1e-4).any():  # a token on the nucleus' edge: rounding may put it either side
+                continue
+            nucleus = probs[j][kept]
+            errors.append(abs(turn.logprobs[j] - torch.log(probs[j][token] / nucleus.sum()).item())
+                          if token in kept else float("inf"))
+    before = api.log_probs(api.episode("agent").sequences()).logprobs
+    loss = api.fwd_bwd(api.episode("agent").sequences(advantages=[1.0, -1.0]), LossSpec(name="grpo")).loss
+    api.step()
+    after = api.log_probs(api.episode("agent").sequences()).logprobs
+    return {"agent_reported_is_captured": reported == [t.logprobs for t in turns]
+            and [c.token_ids for c in out.choices] == [t.token_ids for t in turns],
+            "agent_err": max(errors), "agent_compared": len(errors), "agent_positions": positions,
+            "agent_step": [loss == loss, max_err(before, after) > 1e-4]}
 
 
 def serving_batch(model_dir):
@@ -283,6 +324,7 @@ def streaming(model_dir):
     from arctic_rl_core.engines.distributed import free_loopback_port
     from arctic_rl_core.server.app import ServerSettings
     from arctic_rl_core.server.run import ServerThread
+    from arctic_rl_core.serving.text import TextCodec
 
     api = backend(model_dir)
 
@@ -328,6 +370,110 @@ def streaming(model_dir):
         result.update({"chat_pieces": sum(1 for _, e in chat if e["choices"] and e["choices"][0]["delta"].get("content")),
                        "chat_content_is_cut_reply": content == reply[:at], "stop_sent": stop in content,
                        "chat_finish": [(c["finish_reason"], c["stop_reason"] == stop) for c in ends]})
+
+        # With log-probs (an agent's sampling, 0.7 / 0.95): still a piece per engine step, each with its tokens'
+        # entries, together those the session captured; completions' text offsets run on across pieces.
+        sampling_when.clear()
+        chat = events(url, "chat/completions", {**plain, "temperature": 0.7, "top_p": 0.95, "logprobs": True,
+                                                 "top_logprobs": 2, "session_id": "streamed-logprobs",
+                                                 "return_token_ids": True})
+        pieces = [(i, e["choices"][0]) for i, (_, e) in enumerate(chat) if e["choices"] and e["choices"][0].get("logprobs")]
+        entries = [entry for _, c in pieces for entry in c["logprobs"]["content"]]
+        [turn] = api.episode("streamed-logprobs").turns
+        result["logprob_pieces"] = len(pieces)
+        result["logprobs_while_sampling"] = sampling_when[pieces[0][0]]
+        result["streamed_logprobs_are_captured"] = ([e["logprob"] for e in entries] == turn.logprobs
+                                                    and len(turn.token_ids) == 60)
+        result["streamed_tops"] = sorted({len(e["top_logprobs"]) for e in entries})
+        streamed = events(url, "completions", {**body, "max_tokens": 40, "logprobs": 1})
+        offsets = [o for _, e in streamed if e["choices"] and e["choices"][0]["logprobs"]
+                   for o in e["choices"][0]["logprobs"]["text_offset"]]
+        ids = [t for _, e in streamed if e["choices"] for t in e["choices"][0]["token_ids"] or []]
+        codec = TextCodec(api.config.model_path)
+        whole = [sum(len(codec.token_text(t, False)) for t in ids[:k]) for k in range(len(ids))]  # as unstreamed
+        result["completion_offsets"] = [len(offsets), offsets == whole]
+    return result
+
+
+def _turns(api, session: str) -> list:
+    """The session's turns so far; none before its first is recorded."""
+    from arctic_rl_core.trajectories import UnknownSession
+
+    try:
+        return api.episode(session).turns
+    except UnknownSession:
+        return []
+
+
+def cancelled(model_dir):
+    """A client that goes away stops its request in the engine, as `vllm serve` does: a stream closed after a few
+    pieces, and a request whose client timed out. The episode keeps what the client received, marked cancelled;
+    another request in flight goes on to its end."""
+    import tempfile
+
+    import httpx
+
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.models.tiny import make_tiny_model
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    # The same tiny model with room for replies longer than a client waits for.
+    model_dir = make_tiny_model("qwen3", tempfile.mkdtemp(prefix="arctic-rl-cancel-"), max_positions=2048)
+    api = backend(model_dir)
+    result = {}
+    with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda config: api) as url:
+        body = {"model": model_dir, "prompt": [5, 6, 7, 8], "max_tokens": 1500, "ignore_eos": True,
+                "return_token_ids": True}
+        httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
+        other = {}
+        bystander = threading.Thread(target=lambda: other.setdefault("reply", httpx.post(
+            f"{url}/v1/completions", json={**body, "prompt": [9, 10], "max_tokens": 300}, timeout=300).json()))
+        bystander.start()
+        _wait_until(lambda: api.sampler.requests_in_flight() == 1)
+
+        before = api.generated["tokens"]
+        received = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300,
+                          headers={"X-Session-Id": "streamed"}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    received += json.loads(line[len("data: "):])["choices"][0]["token_ids"] or []
+                    if len(received) >= 3:
+                        break
+            closed = time.perf_counter()
+        _wait_until(lambda: api.generated["tokens"] > before)  # the cancelled call returned
+        result["stream_stopped_s"] = time.perf_counter() - closed
+        result["stream_sampled"] = api.generated["tokens"] - before
+        result["stream_received"] = len(received)
+        _wait_until(lambda: _turns(api, "streamed"))
+        [turn] = api.episode("streamed").turns
+        result["stream_turn"] = [turn.cancelled, turn.token_ids == received, turn.finish_reason,
+                                 len(turn.logprobs) == len(received)]
+
+        before = api.generated["tokens"]
+        sent = time.perf_counter()
+        try:
+            httpx.post(f"{url}/v1/chat/completions", timeout=1.0, headers={"X-Session-Id": "timed-out"}, json={
+                "model": model_dir, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 1500,
+                "ignore_eos": True})
+            result["timed_out"] = False
+        except httpx.ReadTimeout:
+            result["timed_out"] = True
+        gave_up = time.perf_counter()
+        _wait_until(lambda: api.generated["tokens"] > before)
+        result["timeout_stopped_s"] = time.perf_counter() - gave_up
+        result["timeout_sampled"] = api.generated["tokens"] - before
+        result["timeout_gave_up_after_s"] = gave_up - sent
+        _wait_until(lambda: _turns(api, "timed-out"))
+        [turn] = api.episode("timed-out").turns
+        result["timeout_turn"] = [turn.cancelled, turn.token_ids]
+
+        bystander.join(300)
+        [choice] = other["reply"]["choices"]
+        result["bystander"] = [choice["finish_reason"], len(choice["token_ids"])]
+        result["engine_idle"] = api.sampler.requests_in_flight() == 0
+        result["cancelled"] = httpx.get(f"{url}/v1/status", timeout=30).json()["serving"]["cancelled"]
     return result
 
 
@@ -683,5 +829,6 @@ if __name__ == "__main__":
     result = {"sync": sync, "concurrent": concurrent, "bad_input": bad_input, "serving": serving,
               "abort": abort, "reshaped": reshaped, "cascade": cascade, "continuous": continuous,
               "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming,
-              "rope_scaling": rope_scaling, "adapters": adapters}[scenario](model_dir, *rest)
+              "rope_scaling": rope_scaling, "adapters": adapters,
+              "cancelled": cancelled}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

@@ -26,8 +26,11 @@ class Sampler(ABC):
     """Whether concurrent calls join one running batch (vLLM's engine): callers need not gather requests into
     calls themselves."""
     streams_tokens: bool = False
-    """Whether `generate` takes `on_tokens(prompt index, sample index, token ids)` and calls it with each engine
-    step's new tokens."""
+    """Whether `generate` takes `on_tokens(prompt index, sample index, token ids, their log-probs, their top
+    log-probs or None)` and calls it with each engine step's new tokens."""
+    cancels_calls: bool = False
+    """Whether `generate` takes `cancel` (a `Cancellation`) and, once it is cancelled, ends that call's requests at
+    the next engine step: the call returns what it sampled so far, finish reason `abort`."""
 
     adapters: int = 0
     """LoRA adapters it serves at once on its base weights (`add_adapter`, `SamplingParams.adapter`); 0: none."""

@@ -13,13 +13,18 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections import OrderedDict
 
 import torch
 
+from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.samplers.vllm_worker import join_group, receive_buckets
 from arctic_rl_core.types import Completion, SamplingParams
+
+
+_KEPT_CANCELLATIONS = 512
 
 
 def node_address() -> str:
@@ -46,12 +51,16 @@ class SamplerReplica:
         self._loaded: tuple[int | None, BaseException | None] = (None, None)
         self._loading = 0
         self._group = None
+        self._cancellations: OrderedDict[str, Cancellation] = OrderedDict()
+        """By call id: the calls in flight that the pool may cancel, and calls cancelled before they arrived (the
+        actor runs calls on threads of its own, so a cancel may overtake its call; a few hundred are kept)."""
+        self._cancellations_lock = threading.Lock()
 
     def facts(self) -> dict:
         return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
                 "sync_route": self.sampler.sync_route, "exact_reshaped_logprobs": self.sampler.exact_reshaped_logprobs,
                 "continuous_batching": self.sampler.continuous_batching, "crosses_syncs": self.sampler.crosses_syncs,
-                "streams_tokens": self.sampler.streams_tokens,
+                "streams_tokens": self.sampler.streams_tokens, "cancels_calls": self.sampler.cancels_calls,
                 "scores_under_adapters": self.sampler.scores_under_adapters,
                 "unsupported_sampling": sorted(self.sampler.unsupported_sampling)}
 
@@ -67,12 +76,31 @@ class SamplerReplica:
         another waits for them."""
         return self._busy.shared() if self.sampler.crosses_syncs else self._busy
 
-    def generate(self, prompts, sampling: SamplingParams, on_tokens=None) -> list[Completion]:
-        streamed = {} if on_tokens is None else {"on_tokens": on_tokens}
-        with self._call():
-            return self.sampler.generate(prompts, sampling, self.weight_version, **streamed)
+    def generate(self, prompts, sampling: SamplingParams, on_tokens=None, call_id: str | None = None) -> list[Completion]:
+        """`call_id`: the pool's name for the call, which `cancel(call_id)` ends early."""
+        extra = {} if on_tokens is None else {"on_tokens": on_tokens}
+        if call_id is not None and self.sampler.cancels_calls:
+            extra["cancel"] = self._cancellation(call_id)
+        try:
+            with self._call():
+                return self.sampler.generate(prompts, sampling, self.weight_version, **extra)
+        finally:
+            if call_id is not None:
+                with self._cancellations_lock:
+                    self._cancellations.pop(call_id, None)
 
-    def generate_stream(self, prompts, sampling: SamplingParams):
+    def cancel(self, call_id: str) -> None:
+        """End the call `call_id` at its engine's next step: it returns what it sampled so far."""
+        self._cancellation(call_id).cancel()
+
+    def _cancellation(self, call_id: str) -> Cancellation:
+        with self._cancellations_lock:
+            cancellation = self._cancellations.setdefault(call_id, Cancellation())
+            while len(self._cancellations) > _KEPT_CANCELLATIONS:
+                self._cancellations.popitem(last=False)
+        return cancellation
+
+    def generate_stream(self, prompts, sampling: SamplingParams, call_id: str | None = None):
         """`generate` as a Ray streaming generator (`num_returns="streaming"`): ("tokens", [(prompt index, sample
         index, token ids), ...]) with what the engine sampled since the last item, then ("done", completions)."""
         heard: queue.SimpleQueue = queue.SimpleQueue()
@@ -80,7 +108,7 @@ class SamplerReplica:
 
         def run():
             try:
-                outcome["done"] = self.generate(prompts, sampling, lambda *tokens: heard.put(tokens))
+                outcome["done"] = self.generate(prompts, sampling, lambda *tokens: heard.put(tokens), call_id)
             except BaseException as err:  # raised to the caller below
                 outcome["error"] = err
             finally:

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from typing import Callable, Iterable
 
 import torch
 
+from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.samplers.base import Sampler
@@ -293,19 +295,25 @@ class SamplerPool(Sampler):
     # -- Sampler ---------------------------------------------------------------------------------
 
     def generate(self, prompts, sampling: SamplingParams, weight_version: int,
-                 on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Completion]:
-        """`on_tokens(prompt index, sample index, token ids)`: as the vLLM sampler's, where every replica streams
-        (each replica's tokens reach this process as its engine samples them)."""
+                 on_tokens: Callable[..., None] | None = None,
+                 cancel: Cancellation | None = None) -> list[Completion]:
+        """`on_tokens(prompt index, sample index, token ids, log-probs, top log-probs)`: as the vLLM sampler's, where every replica streams
+        (each replica's tokens reach this process as its engine samples them). `cancel`: once cancelled, every live
+        replica is told to end its share of this call."""
         units = self._by_prompt(prompts, lambda ix: len(prompts[ix[0]]) + len(ix) * sampling.n * sampling.max_tokens)
+        call_id = None
+        if cancel is not None:
+            call_id = uuid.uuid4().hex
+            cancel.on_cancel(lambda: [slot.actor.cancel.remote(call_id) for slot in self._live()])
         if on_tokens is None:
-            run = self._run(units, lambda a, ix: a.generate.remote([prompts[i] for i in ix], sampling))
+            run = self._run(units, lambda a, ix: a.generate.remote([prompts[i] for i in ix], sampling, None, call_id))
         else:
             def heard(indexes: list[int], tokens: list[tuple]) -> None:
-                for prompt, sample, ids in tokens:
-                    on_tokens(indexes[prompt], sample, ids)
+                for prompt, *rest in tokens:
+                    on_tokens(indexes[prompt], *rest)
 
             run = self._run(units, lambda a, ix: a.generate_stream.options(num_returns="streaming").remote(
-                [prompts[i] for i in ix], sampling), heard)
+                [prompts[i] for i in ix], sampling, call_id), heard)
         out: list[Completion] = []
         for indexes, completions in run:
             out.extend(c.model_copy(update={"prompt_index": indexes[c.prompt_index]}) for c in completions)
@@ -485,6 +493,10 @@ class SamplerPool(Sampler):
     @property
     def streams_tokens(self) -> bool:
         return all(slot.facts.get("streams_tokens", False) for slot in self._slots)
+
+    @property
+    def cancels_calls(self) -> bool:
+        return all(slot.facts.get("cancels_calls", False) for slot in self._slots)
 
     @property
     def continuous_batching(self) -> bool:

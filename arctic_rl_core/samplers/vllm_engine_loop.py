@@ -120,6 +120,16 @@ class EngineLoop:
         self._put(("add", (prompts, params, on_tokens, lora), done))
         return done
 
+    def cancel(self, call: Future) -> None:
+        """End the requests of one call (the future `submit` returned) at the next step boundary: it returns what its
+        samples reached, unfinished ones `abort`; other calls go on. From any thread, without waiting (a client's
+        disconnect is heard on the server's event loop). A call already answered, or a loop that has stopped, is
+        left as it is."""
+        with self._lock:
+            if not self._closed:
+                self._commands.put(("cancel", call, None))
+                self._wake()
+
     def abort_all(self) -> None:
         """End every request in flight: each call returns what its samples reached, unfinished ones `abort`."""
         done: Future = Future()
@@ -254,6 +264,8 @@ class EngineLoop:
         elif kind == "abort":
             self._abort(engine)
             done.set_result(None)
+        elif kind == "cancel":
+            self._cancel(engine, payload)
 
     def _add(self, engine, prompts: list[dict], params, on_tokens: Callable | None, lora, done: Future) -> None:
         from vllm.sampling_params import RequestOutputKind
@@ -312,6 +324,20 @@ class EngineLoop:
         self._suspended.clear()
         for call, sample in cut:
             self._finish(call, sample, "abort")
+
+    def _cancel(self, engine, future: Future) -> None:
+        ended = [request_id for request_id, r in self._requests.items() if r.call.future is future]
+        if ended:
+            engine.abort_request(ended)
+        cut = [(r.call, s) for r in map(self._requests.pop, ended) for s in r.samples]
+        cut += [(r.call, r.samples[i]) for r, i in self._suspended if r.call.future is future]
+        self._suspended = [(r, i) for r, i in self._suspended if r.call.future is not future]
+        for call, sample in cut:
+            self._finish(call, sample, "abort")
+        waiting = [entry for entry in self._deferred if entry[-1] is future]  # submitted during a hold: never added
+        self._deferred = [entry for entry in self._deferred if entry[-1] is not future]
+        for prompts, params, _, _, done in waiting:
+            done.set_result([PromptResult([Sample(finish_reason="abort") for _ in range(params.n)]) for _ in prompts])
 
     # -- weight updates across requests in flight --------------------------------------------------------
 

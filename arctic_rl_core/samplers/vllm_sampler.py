@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
@@ -74,6 +75,7 @@ class VLLMSampler(Sampler):
     concurrent_generate = True  # every call's requests join the one running batch
     continuous_batching = True
     streams_tokens = True
+    cancels_calls = True
     crosses_syncs = True  # a weight update cuts requests in flight and they go on under the new weights
     # vLLM 0.32's LoRA logits take one row per request: prompt log-probs under an adapter fail inside its engine
     # (and end it), so they are refused before they reach it.
@@ -202,13 +204,16 @@ class VLLMSampler(Sampler):
         return self._loop.samples_in_flight()
 
     def generate(self, prompts, sampling: SamplingParams, weight_version: int,
-                 on_tokens: Callable[[int, int, list[int]], None] | None = None) -> list[Completion]:
-        """`on_tokens(prompt index, sample index, token ids)` hears of each engine step's new tokens (on the
-        engine's thread: it must return at once)."""
+                 on_tokens: Callable[..., None] | None = None,
+                 cancel: Cancellation | None = None) -> list[Completion]:
+        """`on_tokens(prompt index, sample index, token ids, their log-probs, their top log-probs or None)` hears of
+        each engine step's new tokens (on the engine's thread: it must return at once); the log-probs are vLLM's,
+        those of the distribution sampled from (before any scoring again for `logprobs_of: model`). Once `cancel`
+        is cancelled the call's requests end at the next engine step."""
         rescored = sampling.logprobs_of == "model" and sampling.reshaped_by() is not None
         one_version = rescored or sampling.prompt_logprobs is not None
         with self._one_version.shared() if one_version else nullcontext():
-            completions = self._generate(prompts, sampling, weight_version, on_tokens)
+            completions = self._generate(prompts, sampling, weight_version, on_tokens, cancel)
             if rescored:
                 self._model_logprobs(prompts, completions, sampling.adapter)
         return completions
@@ -224,11 +229,18 @@ class VLLMSampler(Sampler):
         if lora is not None:
             self._loop.call(self.llm.llm_engine.remove_lora, lora.lora_int_id)
 
-    def _generate(self, prompts, sampling: SamplingParams, weight_version: int, on_tokens) -> list[Completion]:
-        heard = None if on_tokens is None else lambda prompt, sample, tokens, _: on_tokens(prompt, sample, tokens)
+    def _generate(self, prompts, sampling: SamplingParams, weight_version: int, on_tokens,
+                  cancel: Cancellation | None) -> list[Completion]:
+        def heard(prompt: int, sample: int, tokens: list[int], steps: list[dict]) -> None:
+            on_tokens(prompt, sample, tokens, [step[token].logprob for step, token in zip(steps, tokens)],
+                      [_top(step, sampling.logprobs) for step in steps] if sampling.logprobs else None)
+
         lora = self._loras[sampling.adapter] if sampling.adapter is not None else None
-        results = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling), heard,
-                                    lora).result()
+        call = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling),
+                                 None if on_tokens is None else heard, lora)
+        if cancel is not None:
+            cancel.on_cancel(lambda: self._loop.cancel(call))
+        results = call.result()
         completions = []
         for index, result in enumerate(results):
             for sample in result.samples:

@@ -25,6 +25,10 @@ class Aborted(Exception):
     """The request was in flight when a `pause(mode="abort")` came."""
 
 
+class ClientGone(Exception):
+    """The request's client disconnected before its answer."""
+
+
 class PauseGate:
     def __init__(self):
         self._open = asyncio.Event()
@@ -53,12 +57,16 @@ class PauseGate:
                 self._drained.set()
 
     @staticmethod
-    async def run(abort: asyncio.Future, work: asyncio.Future):
-        """The result of `work`, or `Aborted` if the request is aborted first."""
-        done, _ = await asyncio.wait({abort, work}, return_when=asyncio.FIRST_COMPLETED)
+    async def run(abort: asyncio.Future, work: asyncio.Future, gone: asyncio.Future | None = None):
+        """The result of `work`, or `Aborted` if the request is aborted first, or `ClientGone` if `gone` (its
+        client's disconnect) ends first."""
+        done, _ = await asyncio.wait({abort, work} | ({gone} if gone is not None else set()),
+                                     return_when=asyncio.FIRST_COMPLETED)
         if work in done:
             return work.result()
-        raise Aborted()
+        if abort in done:
+            raise Aborted()
+        raise ClientGone()
 
     async def pause(self, mode: PauseMode) -> None:
         self._open.clear()

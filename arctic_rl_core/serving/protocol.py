@@ -81,8 +81,9 @@ class _Sampled(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logprobs_of: Literal["model", "sampler"] = "model"
-    """Ours (`SamplingParams.logprobs_of`): the model's own log-probs, or the sampled distribution's."""
+    logprobs_of: Literal["model", "sampler"] = "sampler"
+    """Ours (`SamplingParams.logprobs_of`): the sampled distribution's log-probs (the default: what `vllm serve`
+    reports with processed log-probs, and the behaviour policy a session captures), or the model's own."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
@@ -162,8 +163,8 @@ class TokenSamplingParams(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logprobs_of: Literal["model", "sampler"] = "model"
-    """Ours (`SamplingParams.logprobs_of`): the model's own log-probs, or the sampled distribution's."""
+    logprobs_of: Literal["model", "sampler"] = "sampler"
+    """Ours, as the chat and completions routes' `logprobs_of`."""
     logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     flat_logprobs: bool = False

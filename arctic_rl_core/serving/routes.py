@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from importlib import metadata
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest, NotFound
+from arctic_rl_core.samplers.engine_metrics import served_as
 from arctic_rl_core.serving.coalesce import Coalescer
-from arctic_rl_core.serving.pause import Aborted, PauseGate, PauseMode
+from arctic_rl_core.serving.pause import Aborted, ClientGone, PauseGate, PauseMode
 from arctic_rl_core.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -91,6 +94,8 @@ class Serving:
     frozen: Any = None
     """The job whose sampler `/pause?mode=keep` froze, until `/resume`."""
     requests: dict[str, int] = field(default_factory=lambda: {"completions": 0, "chat": 0, "generate": 0})
+    cancelled: int = 0
+    """Requests whose client went away before their answer: each was ended in the sampler where it can."""
     max_concurrent: int = 64
     """Requests sampling at once on a continuously batched sampler (the server's connection cap)."""
     _codec: tuple[Any, TextCodec] | None = None
@@ -104,16 +109,16 @@ class Serving:
         return self._codec[1]
 
     def generate(self, api, executor, prompts: list[list[int]], sampling: SamplingParams,
-                 on_tokens: Callable | None = None) -> Awaitable[list[Completion]]:
+                 on_tokens: Callable | None, cancel: Cancellation) -> Awaitable[list[Completion]]:
         """A sampler that batches continuously (vLLM's engine, a pool of them) takes each request as its own call, at
-        once: it joins the running batch (and tells `on_tokens` of each step's tokens where the sampler streams them).
-        Others take the calls the coalescer gathers."""
+        once: it joins the running batch (and tells `on_tokens` of each step's tokens where the sampler streams them),
+        and where it can, ends it once `cancel` is cancelled. Others take the calls the coalescer gathers."""
         if not api.sampler.continuous_batching:
             return self.coalescer(api, executor).generate(prompts, sampling)
         if self._callers is None:
             self._callers = ThreadPoolExecutor(self.max_concurrent, thread_name_prefix="arctic-sample")
         self._direct_calls += 1
-        return asyncio.wrap_future(self._callers.submit(api.generate, prompts, sampling, None, on_tokens))
+        return asyncio.wrap_future(self._callers.submit(api.generate, prompts, sampling, None, on_tokens, cancel))
 
     def coalescer(self, api, executor) -> Coalescer:
         """The job's sampler takes concurrent requests as one call; a pool of replicas takes several calls."""
@@ -128,7 +133,7 @@ class Serving:
         return self.served_model_name or api.config.model_path
 
     def describe(self) -> dict:
-        return {"requests": dict(self.requests), **self.gate.describe(),
+        return {"requests": dict(self.requests), "cancelled": self.cancelled, **self.gate.describe(),
                 "generate_calls": self._direct_calls + (self._coalescer[1].calls if self._coalescer else 0)}
 
 
@@ -169,25 +174,53 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             raise type(err)(fields(err.field), err.message) from None
 
     async def sample(api, route: str, prompts: list[list[int]], sampling: SamplingParams, session: str | None,
-                     fields: Callable[[str], str], on_tokens: Callable | None = None) -> Sampled:
+                     fields: Callable[[str], str], request: Request, on_tokens: Callable | None = None,
+                     cancel: Cancellation | None = None) -> Sampled | None:
         """Generate on the job's sampler (one pool, one weight version with `generate`); capture if asked.
-        Errors name the route's own fields. `on_tokens`: as `generate`'s, on a continuously batched sampler."""
+        Errors name the route's own fields. `on_tokens`: as `generate`'s, on a continuously batched sampler.
+
+        A client that disconnects before its answer (a turn's timeout, an agent ending early) cancels the call: the
+        sampler ends its requests at its next step, and a session records the turn as cancelled with no tokens,
+        which is what the client received; None is returned. With `cancel` the caller watches the client itself
+        (a stream) and records what it sent."""
         check(api, prompts, sampling, fields)
+        watched = cancel is None
+        cancel = cancel or Cancellation()
         try:
             async with serving.gate.admitted() as abort:
-                work = asyncio.ensure_future(serving.generate(api, job.reads, prompts, sampling, on_tokens))
+                work = asyncio.ensure_future(serving.generate(api, job.reads, prompts, sampling, on_tokens, cancel))
+                gone = asyncio.ensure_future(_client_gone(request)) if watched else None
                 try:
-                    completions = await serving.gate.run(abort, work)
+                    completions = await serving.gate.run(abort, work, gone)
                 except Aborted:
                     # A continuously batched sampler answers it with what it sampled so far (the pause ends its
                     # requests in flight); another sampler's call runs on, and its answer is dropped.
                     completions = await work if api.sampler.continuous_batching else None
+                except ClientGone:
+                    cancel.cancel()
+                    serving.cancelled += 1
+                    if session is not None:
+                        work.add_done_callback(lambda done: record_sent(api, session, prompts, _result(done), {}))
+                    return None
+                finally:
+                    if gone is not None:
+                        gone.cancel()
         except InvalidRequest as err:
             raise type(err)(fields(err.field), err.message) from None
         serving.requests[route] += 1
-        if session is not None and completions is not None:
+        if session is not None and completions is not None and watched:
             api.trajectories.record(session, prompts, completions)
         return Sampled(prompts, completions, sampling.n)
+
+    def record_sent(api, session: str, prompts: list[list[int]], completions: list[Completion] | None,
+                    sent: dict[int, int]) -> None:
+        """A cancelled request's turns as its client received them, marked cancelled: the first `sent[choice]`
+        tokens of each choice (none where absent), from the sampler's answer once it ended the call (which may hold
+        tokens the client never got)."""
+        if completions is None:  # the call failed, or a pause aborted it before it sampled
+            return
+        api.trajectories.record(session, prompts, [_truncated(c, sent.get(i, 0)) for i, c in enumerate(completions)],
+                                cancelled=True)
 
     async def begin(request: Request, schema):
         """The request parsed, the job's API, and the served model's name (checked against the request's)."""
@@ -195,46 +228,69 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         api = api_of()
         return req, api, check_model(api, req.model)
 
-    def streams(req, api) -> bool:
-        """Whether the request's text is sent as the engine samples it (`stream` on a sampler that streams tokens;
-        log-probs and tool calls, read off the whole reply, come whole at the end)."""
-        return (bool(req.stream) and api.sampler.streams_tokens and req.logprobs in (None, False)
-                and req.prompt_logprobs is None)
+    def streams(req, api, sampling: SamplingParams) -> bool:
+        """Whether the request's text is sent as the engine samples it (`stream` on a sampler that streams tokens),
+        with each piece's log-probs. Whole at the end: prompt log-probs, and the model's own log-probs of reshaped
+        sampling (`logprobs_of: model`), which the sampler has by scoring the reply again."""
+        rescored = sampling.logprobs_of == "model" and sampling.reshaped_by() is not None
+        return (bool(req.stream) and api.sampler.streams_tokens and req.prompt_logprobs is None
+                and not (req.logprobs and rescored))
 
-    def stream_as_sampled(api, route: str, prompts: list[list[int]], sampling: SamplingParams, session: str | None,
-                          fields: Callable[[str], str], texts: Callable[[int], StreamedText],
-                          first: list[dict], piece: Callable[[int, str, list[int]], dict],
+    def stream_as_sampled(api, route: str, request: Request, prompts: list[list[int]], sampling: SamplingParams,
+                          session: str | None, fields: Callable[[str], str], texts: Callable[[int], StreamedText],
+                          first: list[dict], piece: Callable[..., dict],
                           last: Callable[[Sampled, dict[int, StreamedText]], list[dict]], usage_head: dict | None):
-        """Server-sent events while the engine samples: `first`, then `piece(choice, text, token ids)` as each
-        choice's tokens arrive (text that may be shown: `texts(choice)`), then `last(sampled, texts)`, usage with
-        `usage_head`. The request is checked before the response starts: a bad one is an HTTP error."""
+        """Server-sent events while the engine samples: `first`, then `piece(choice, text, token ids, their log-probs,
+        their top log-probs)` as each choice's tokens arrive (text that may be shown: `texts(choice)`), then
+        `last(sampled, texts)`, usage with
+        `usage_head`. The request is checked before the response starts: a bad one is an HTTP error.
+
+        A client that disconnects mid-stream (Starlette then cancels these events) cancels the call in the sampler;
+        a session records each choice's tokens up to the last piece the client was sent, marked cancelled."""
         check(api, prompts, sampling, fields)
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue = asyncio.Queue()
+        cancel = Cancellation()
 
-        def on_tokens(prompt: int, sample: int, token_ids: list[int]) -> None:  # on the engine's thread
-            loop.call_soon_threadsafe(pieces.put_nowait, (prompt * sampling.n + sample, token_ids))
+        def on_tokens(prompt: int, sample: int, token_ids: list[int], logprobs: list[float], tops) -> None:
+            # on the engine's thread: handed to the event loop
+            loop.call_soon_threadsafe(pieces.put_nowait, (prompt * sampling.n + sample, token_ids, logprobs, tops))
 
-        work = asyncio.ensure_future(sample(api, route, prompts, sampling, session, fields, on_tokens))
+        work = asyncio.ensure_future(sample(api, route, prompts, sampling, session, fields, request, on_tokens, cancel))
         work.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))  # after every piece
 
         async def events():
             text_of: dict[int, StreamedText] = {}
-            for event in first:
-                yield f"data: {json.dumps(event)}\n\n"
-            while (item := await pieces.get()) is not None:
-                choice, token_ids = item
-                text = text_of.setdefault(choice, texts(choice)).add(token_ids)
-                yield f"data: {json.dumps(piece(choice, text, token_ids))}\n\n"
+            sent: dict[int, int] = {}
+            """Per choice, the tokens of the pieces the client was sent (a `yield` returns once Starlette sent it)."""
+            ended = False
             try:
-                sampled = work.result()
-            except ArcticRLError as err:  # the stream has begun: the error is its last event
-                yield f"data: {json.dumps({'error': {'message': str(err), 'type': type(err).__name__}})}\n\n"
-                return
-            for event in last(sampled, text_of) + ([{**usage_head, "choices": [], "usage": sampled.usage}]
-                                                   if usage_head else []):
-                yield f"data: {json.dumps(event)}\n\n"
-            yield "data: [DONE]\n\n"
+                for event in first:
+                    yield f"data: {json.dumps(event)}\n\n"
+                while (item := await pieces.get()) is not None:
+                    choice, token_ids, logprobs, tops = item
+                    text = text_of.setdefault(choice, texts(choice)).add(token_ids)
+                    yield f"data: {json.dumps(piece(choice, text, token_ids, logprobs, tops))}\n\n"
+                    sent[choice] = sent.get(choice, 0) + len(token_ids)
+                ended = True
+                try:
+                    sampled = work.result()
+                except ArcticRLError as err:  # the stream has begun: the error is its last event
+                    yield f"data: {json.dumps({'error': {'message': str(err), 'type': type(err).__name__}})}\n\n"
+                    return
+                if session is not None and sampled.completions is not None:
+                    api.trajectories.record(session, prompts, sampled.completions)
+                for event in last(sampled, text_of) + ([{**usage_head, "choices": [], "usage": sampled.usage}]
+                                                       if usage_head else []):
+                    yield f"data: {json.dumps(event)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                if not ended:  # the client went away before the sampler ended the call
+                    cancel.cancel()
+                    serving.cancelled += 1
+                    if session is not None:
+                        work.add_done_callback(lambda done: record_sent(
+                            api, session, prompts, getattr(_result(done), "completions", None), sent))
         return StreamingResponse(events(), media_type="text/event-stream")
 
     def respond(req, payload: dict, chunks: Callable[[dict], list[dict]], head: dict):
@@ -258,13 +314,25 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         api_of()
         return JSONResponse({})
 
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping():
+        """vLLM's (and SageMaker's) health check by another name."""
+        api_of()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        """The vLLM version that samples, as `vllm serve` answers (clients check it); Arctic RL's beside it."""
+        return {"version": _engine_version(), "arctic_rl": _version("arctic-rl")}
+
     @app.get("/metrics")
     async def metrics():
         """The sampler's engine metrics in Prometheus' text format, under vLLM's names (`vllm:num_requests_running`,
         `vllm:kv_cache_usage_perc`, `vllm:cache_config_info`, ...), one `engine` label per replica."""
         api = api_of()
-        return PlainTextResponse(await asyncio.to_thread(api.sampler.engine_metrics),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        exposition = served_as(await asyncio.to_thread(api.sampler.engine_metrics), serving.model_name(api))
+        return PlainTextResponse(exposition, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models():
@@ -302,7 +370,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                                         req.include_stop_str_in_output, req.skip_special_tokens)
                 choices.append({
                     "index": index, "text": text, "finish_reason": c.finish_reason, "stop_reason": stop_reason,
-                    "logprobs": _completion_logprobs(codec, c, req.return_tokens_as_token_ids) if req.logprobs is not None else None,
+                    "logprobs": _completion_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs,
+                                                     req.return_tokens_as_token_ids) if req.logprobs is not None else None,
                     "token_ids": c.token_ids if req.return_token_ids else None,
                     "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                     "prompt_logprobs": _prompt_logprobs(codec, c, prompt_ids),
@@ -310,20 +379,29 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             return choices
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
-        if streams(req, api):
-            def piece(index: int, text: str, token_ids: list[int]) -> dict:
-                return {**head, "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None,
+        if streams(req, api, sampling):
+            text_at: dict[int, int] = {}  # per choice, where the next piece's text starts (its log-probs' offsets)
+
+            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops) -> dict:
+                entries = None
+                if req.logprobs is not None:
+                    entries = _completion_logprobs(codec, token_ids, logprobs, tops, req.return_tokens_as_token_ids,
+                                                   text_at.get(index, 0))
+                    text_at[index] = text_at.get(index, 0) + sum(len(codec.token_text(t, False)) for t in token_ids)
+                return {**head, "choices": [{"index": index, "text": text, "logprobs": entries, "finish_reason": None,
                                              "stop_reason": None, **({"token_ids": token_ids} if req.return_token_ids else {})}]}
 
             def last(sampled: Sampled, sent: dict[int, StreamedText]) -> list[dict]:
-                return [{**head, "choices": [{**choice, "token_ids": None,
+                return [{**head, "choices": [{**choice, "token_ids": None, "logprobs": None,
                                               "text": sent[choice["index"]].rest(choice["text"])
                                               if choice["index"] in sent else choice["text"]}]}
                         for choice in choices_of(sampled)]
-            return stream_as_sampled(api, "completions", prompts, sampling, session, fields,
+            return stream_as_sampled(api, "completions", request, prompts, sampling, session, fields,
                                      lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens),
                                      [], piece, last, usage_head)
-        sampled = await sample(api, "completions", prompts, sampling, session, fields)
+        sampled = await sample(api, "completions", prompts, sampling, session, fields, request)
+        if sampled is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
         payload = {**head, "choices": choices_of(sampled), "usage": sampled.usage}
         return respond(req, payload, lambda p: [{**head, "choices": [choice]} for choice in p["choices"]], head)
 
@@ -333,8 +411,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
     async def chat_completions(request: Request):
         req, api, model = await begin(request, ChatCompletionRequest)
         codec = serving.codec(api)
-        prompt_ids = codec.render_chat(req.messages, req.tools if req.tool_choice != "none" else None,
-                                       req.add_generation_prompt, req.chat_template_kwargs)
+        # As vLLM, the tools stay in the prompt under tool_choice "none": the model only must not call them.
+        prompt_ids = codec.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         sampling = req.sampling(max_tokens(api, req.max_completion_tokens or req.max_tokens, [prompt_ids]),
@@ -365,7 +443,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                            **({"tool_calls": calls} if calls else {})}
                 choices.append({
                     "index": index, "message": message,
-                    "logprobs": {"content": _chat_logprobs(codec, c, req.return_tokens_as_token_ids)} if req.logprobs else None,
+                    "logprobs": {"content": _chat_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs,
+                                                           req.return_tokens_as_token_ids)} if req.logprobs else None,
                     "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": stop_reason,
                     "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c)})
             return choices
@@ -374,36 +453,40 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]}
 
-        def ending(choice: dict, content: str | None, token_ids) -> list[dict]:
+        def ending(choice: dict, content: str | None, token_ids, logprobs) -> list[dict]:
             i = choice["index"]
             delta = {"content": content}
             if "tool_calls" in choice["message"]:
                 delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(choice["message"]["tool_calls"])]
-            return [{**head, "choices": [{"index": i, "delta": delta, "logprobs": choice["logprobs"],
+            return [{**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
                                           "finish_reason": None, "token_ids": token_ids}]},
                     {**head, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"],
                                           "stop_reason": choice["stop_reason"],
                                           "weight_versions": choice.get("weight_versions")}]}]
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
-        if streams(req, api) and not parse_tools:
+        if streams(req, api, sampling) and not parse_tools:
             first = [role(i) for i in range(sampling.n)]
             if req.return_token_ids:
                 first[0]["prompt_token_ids"] = prompt_ids
 
-            def piece(index: int, text: str, token_ids: list[int]) -> dict:
-                return {**head, "choices": [{"index": index, "delta": {"content": text}, "logprobs": None,
+            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops) -> dict:
+                entries = {"content": _chat_logprobs(codec, token_ids, logprobs, tops, req.return_tokens_as_token_ids)
+                           } if req.logprobs else None
+                return {**head, "choices": [{"index": index, "delta": {"content": text}, "logprobs": entries,
                                              "finish_reason": None,
                                              **({"token_ids": token_ids} if req.return_token_ids else {})}]}
 
             def last(sampled: Sampled, sent: dict[int, StreamedText]) -> list[dict]:
                 return [event for choice in choices_of(sampled) for event in ending(
                     choice, sent[choice["index"]].rest(choice["message"]["content"] or "") if choice["index"] in sent
-                    else choice["message"]["content"], None)]
-            return stream_as_sampled(api, "chat", [prompt_ids], sampling, session, fields,
+                    else choice["message"]["content"], None, None)]
+            return stream_as_sampled(api, "chat", request, [prompt_ids], sampling, session, fields,
                                      lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens),
                                      first, piece, last, usage_head)
-        sampled = await sample(api, "chat", [prompt_ids], sampling, session, fields)
+        sampled = await sample(api, "chat", [prompt_ids], sampling, session, fields, request)
+        if sampled is None:
+            return Response(status_code=499)
         first = sampled.completions[0] if sampled.completions else None
         payload = {"id": ident, "object": "chat.completion", "created": created,
                    "model": model, "choices": choices_of(sampled), "usage": sampled.usage,
@@ -412,7 +495,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
 
         def chunks(p):
             out = [event for choice in p["choices"]
-                   for event in [role(choice["index"])] + ending(choice, choice["message"]["content"], choice["token_ids"])]
+                   for event in [role(choice["index"])] + ending(choice, choice["message"]["content"], choice["token_ids"],
+                                                                 choice["logprobs"])]
             if p["prompt_token_ids"] is not None:
                 out[0]["prompt_token_ids"] = p["prompt_token_ids"]
             return out
@@ -427,7 +511,9 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             raise InvalidRequest("output_mode", "'text' needs sampling_params.detokenize true")
         sampling = req.sampling(max_tokens(api, req.sampling_params.max_tokens, [req.token_ids]))
         sampled = await sample(api, "generate", [req.token_ids], sampling, session_of(request, req.session_id),
-                               lambda f: _renamed(f, "token_ids", False, sampling_prefix="sampling_params."))
+                               lambda f: _renamed(f, "token_ids", False, sampling_prefix="sampling_params."), request)
+        if sampled is None:
+            return Response(status_code=499)
         codec = serving.codec(api) if req.output_mode == "text" else None
         stops = req.sampling_params.stop
         stops = [stops] if isinstance(stops, str) else list(stops or [])
@@ -445,7 +531,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                     c, stops, req.sampling_params.stop_token_ids or [], req.sampling_params.include_stop_str_in_output,
                     req.sampling_params.skip_special_tokens)
                 if choice["logprobs"] is not None:
-                    choice["logprobs"] = {"content": _chat_logprobs(codec, c, False)}
+                    choice["logprobs"] = {"content": _chat_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs, False)}
             elif c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in (req.sampling_params.stop_token_ids or []):
                 choice["stop_reason"] = c.token_ids[-1]
             choices.append(choice)
@@ -545,6 +631,39 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         return {"world_size": tensor_parallel * (sampler.replicas if include_dp else 1)}
 
 
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected. Its body was read: what the server hears from it now is only
+    that (or the end of the response), as vLLM's own routes listen for it."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _engine_version() -> str | None:
+    """vLLM's own version string (`vllm.__version__`, as `vllm serve` reports it), where vLLM is installed."""
+    try:
+        from vllm import __version__
+    except ImportError:
+        return _version("arctic-rl")
+    return __version__
+
+
+def _result(done: asyncio.Future):
+    """A finished future's result; None where it failed or was cancelled."""
+    return None if done.cancelled() or done.exception() is not None else done.result()
+
+
+def _truncated(c: Completion, tokens: int) -> Completion:
+    return c.model_copy(update={"token_ids": c.token_ids[:tokens], "logprobs": c.logprobs[:tokens],
+                                "token_versions": None if c.token_versions is None else c.token_versions[:tokens]})
+
+
 def _renamed(field_: str, prompt_field: str, indexed: bool, sampling_prefix: str = "") -> str:
     """A `generate` field as the route names it: prompts[i] -> the prompt field, sampling.x -> x."""
     if field_.startswith("prompts"):
@@ -561,23 +680,25 @@ def _top(codec: TextCodec, pairs, as_id: bool) -> list[dict]:
              "bytes": list(codec.token_text(t, False).encode())} for t, lp in pairs]
 
 
-def _chat_logprobs(codec: TextCodec, c: Completion, as_id: bool) -> list[dict]:
-    tops = c.top_logprobs or [[] for _ in c.token_ids]
+def _chat_logprobs(codec: TextCodec, token_ids: list[int], logprobs: list[float], tops, as_id: bool) -> list[dict]:
+    """OpenAI's chat log-prob entries of a reply's tokens (or a streamed piece's)."""
+    tops = tops or [[] for _ in token_ids]
     return [{"token": codec.token_text(t, as_id), "logprob": lp, "bytes": list(codec.token_text(t, False).encode()),
-             "top_logprobs": _top(codec, top, as_id)} for t, lp, top in zip(c.token_ids, c.logprobs, tops)]
+             "top_logprobs": _top(codec, top, as_id)} for t, lp, top in zip(token_ids, logprobs, tops)]
 
 
-def _completion_logprobs(codec: TextCodec, c: Completion, as_id: bool) -> dict:
-    tokens = [codec.token_text(t, as_id) for t in c.token_ids]
-    offsets, at = [], 0
-    for t in c.token_ids:
+def _completion_logprobs(codec: TextCodec, token_ids: list[int], logprobs: list[float], tops, as_id: bool,
+                         at: int = 0) -> dict:
+    """OpenAI's completion log-probs of a reply's tokens (or of a streamed piece's, whose text starts at `at`)."""
+    tokens = [codec.token_text(t, as_id) for t in token_ids]
+    offsets = []
+    for t in token_ids:
         offsets.append(at)
         at += len(codec.token_text(t, False))
-    tops = None
-    if c.top_logprobs is not None:
+    if tops is not None:
         tops = [{codec.token_text(t, as_id): lp for t, lp in [(tok, own)] + list(top)}
-                for tok, own, top in zip(c.token_ids, c.logprobs, c.top_logprobs)]
-    return {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": tops, "text_offset": offsets}
+                for tok, own, top in zip(token_ids, logprobs, tops)]
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _ranked(entries) -> dict:
