@@ -4,7 +4,7 @@ merged into one exposition that Prometheus' own parser reads back."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from arctic_rl_core.samplers.engine_metrics import relabelled
+from arctic_rl_core.samplers.engine_metrics import relabelled, served_as
 
 
 def _engine_exposition(running: int, tokens: int, latencies: list[float], blocks: int) -> str:
@@ -50,3 +50,15 @@ def test_replicas_metrics_are_one_exposition_with_an_engine_label_each():
 
 def test_no_engine_metrics_is_an_empty_exposition():
     assert relabelled({}) == "" and relabelled({"0": ""}) == ""
+
+
+def test_samples_name_the_model_as_the_server_serves_it():
+    """vLLM's engine labels its samples with the path it loaded; `vllm serve` with `--served-model-name` labels them
+    with that name, and so does ours. A family without a model label keeps its own labels."""
+    served = served_as(_engine_exposition(3, 40, [0.1], 100).replace('model_name="tiny"', 'model_name="/models/x"'),
+                       "policy")
+    families = {f.name: f for f in text_string_to_metric_families(served)}
+    assert {s.labels["model_name"] for name, f in families.items() if name != "vllm:cache_config_info"
+            for s in f.samples} == {"policy"}
+    assert all("model_name" not in s.labels for s in families["vllm:cache_config_info"].samples)
+    assert [s.value for s in families["vllm:num_requests_running"].samples] == [3]

@@ -327,6 +327,27 @@ def test_pause_aborts_or_drains_in_flight_requests_and_holds_new_ones(server, mo
     assert httpx.get(f"{url}/v1/status").json()["serving"]["paused"] is False
 
 
+def test_what_vllm_serve_also_answers_ping_version_tools_under_none_and_an_agents_sampling(server, sdk):
+    url, _ = server
+    assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
+    version = httpx.get(f"{url}/version").json()
+    assert version["version"] and version["arctic_rl"]
+    # tool_choice "none" keeps the tools in the rendered prompt, as vLLM renders it: only the calls are off
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                               "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Define RL."}]
+
+    def prompt(**extra):
+        return httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": messages, "max_tokens": 1, "return_token_ids": True, **extra}).json()["prompt_token_ids"]
+    plain, offered, declined = prompt(), prompt(tools=tools, tool_choice="auto"), prompt(tools=tools, tool_choice="none")
+    assert declined == offered and len(offered) > len(plain)
+    # an agent's usual sampling, nothing of ours in the request: accepted, log-probs reported for each token
+    out = sdk.chat.completions.create(model=MODEL, messages=messages, temperature=0.7, top_p=0.95, max_tokens=6,
+                                      logprobs=True, extra_body={"return_token_ids": True})
+    assert len(out.choices[0].logprobs.content) == len(out.choices[0].token_ids) > 0
+
+
 def test_routes_are_counted_in_status_and_need_the_token_off_loopback(tiny_model):
     config = BackendConfig.model_validate({"model_path": tiny_model, "sampler": LIGHT_SAMPLER})
     with ServerThread(ServerSettings(port=free_loopback_port(), token="s3cret"), config) as url:

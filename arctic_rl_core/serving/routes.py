@@ -109,7 +109,7 @@ class Serving:
         return self._codec[1]
 
     def generate(self, api, executor, prompts: list[list[int]], sampling: SamplingParams,
-                 on_tokens: Callable | None, cancel: Cancellation) -> Awaitable[list[Completion]]:
+                 on_tokens: Callable | None = None, cancel: Cancellation | None = None) -> Awaitable[list[Completion]]:
         """A sampler that batches continuously (vLLM's engine, a pool of them) takes each request as its own call, at
         once: it joins the running batch (and tells `on_tokens` of each step's tokens where the sampler streams them),
         and where it can, ends it once `cancel` is cancelled. Others take the calls the coalescer gathers."""
