@@ -236,9 +236,9 @@ class InProcessBackend(TrainingAPI):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
                  session: str | None = None, on_tokens=None, cancel: Cancellation | None = None) -> list[Completion]:
         """`on_tokens(prompt index, sample index, token ids, log-probs, top log-probs)`: a sampler that streams
-        tokens calls it with each engine step's new tokens; another sampler does not call it. `cancel`: once cancelled (a client that went
-        away), a sampler that can (`cancels_calls`) ends this call's requests at its next step, and the call returns
-        what they sampled so far; another runs it to its end."""
+        tokens calls it with each engine step's new tokens; another sampler does not call it. `cancel`: once
+        cancelled (a client that went away), a sampler that can (`cancels_calls`) ends this call's requests at its
+        next step, and the call returns what they sampled so far; another runs it to its end."""
         request = self.checked_generate(prompts, sampling, session)
         prompts, params = request.prompts, request.sampling
         epoch = self._aborts

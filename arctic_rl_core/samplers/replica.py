@@ -102,7 +102,8 @@ class SamplerReplica:
 
     def generate_stream(self, prompts, sampling: SamplingParams, call_id: str | None = None):
         """`generate` as a Ray streaming generator (`num_returns="streaming"`): ("tokens", [(prompt index, sample
-        index, token ids), ...]) with what the engine sampled since the last item, then ("done", completions)."""
+        index, token ids, log-probs, top log-probs), ...]) with what the engine sampled since the last item, then
+        ("done", completions)."""
         heard: queue.SimpleQueue = queue.SimpleQueue()
         outcome: dict = {}
 
