@@ -91,6 +91,9 @@ def build_parser(plugins: PluginManager | None = None) -> argparse.ArgumentParse
     p.add_argument("--config", help="YAML backend config: the job to load at start (else POST /v1/initialize)")
     p.add_argument("--token", help="bearer token required on every request (or $ARCTIC_RL_TOKEN)")
     p.add_argument("--max-request-mb", type=int, default=1024, help="request body cap")
+    p.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                   help="open connections beyond N are answered 503 (default 1024: an agent fleet's concurrent "
+                        "requests each hold one)")
     p.add_argument("--served-model-name", help="the model name the OpenAI-compatible routes answer to "
                                                "(default: the job's model_path)")
     from arctic_rl_core.serving.tool_calls import PARSERS

@@ -335,6 +335,27 @@ def test_slow_headers_and_stalled_bodies_are_cut_off(tiny_model):
         assert ArcticRLClient(url, token=TOKEN, retries=0).health() == {"status": "ok"}
 
 
+def test_connections_beyond_the_cap_get_503_and_idle_ones_outlive_a_clients_keep_alive(tiny_model):
+    """The cap counts open connections; an idle keep-alive connection is the server's to close only after the
+    clients' own expiry (httpx's 5 s), so a client never writes a request into one the server is closing."""
+    config = BackendConfig(model_path=tiny_model, sampler=LIGHT_SAMPLER)
+    settings = ServerSettings(port=free_loopback_port(), token=TOKEN, max_connections=2)
+    assert settings.keep_alive_s > httpx.Limits().keepalive_expiry
+    with ServerThread(settings, config) as url:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        with httpx.Client(headers=auth) as first, httpx.Client(headers=auth) as second:
+            assert first.get(f"{url}/v1/health").status_code == 200  # both stay open, idle
+            assert second.get(f"{url}/v1/health").status_code == 200
+            assert httpx.get(f"{url}/v1/health", headers=auth).status_code == 503
+        assert httpx.get(f"{url}/v1/health", headers=auth).status_code == 200  # closed ones free their places
+    settings = ServerSettings(port=free_loopback_port(), token=TOKEN, keep_alive_s=0.5)
+    with ServerThread(settings, config) as url:
+        with socket.create_connection((settings.host, settings.port), timeout=30) as idle:
+            idle.sendall(f"GET /v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+            assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+            assert idle.recv(1024) == b""  # closed by the server once idle for keep_alive_s
+
+
 # 11. One error shape for unknown routes and wrong methods ---------------------------------------------------
 
 

@@ -54,8 +54,13 @@ class ServerSettings:
     """From a request's first byte to the end of its headers."""
     body_timeout_s: float = 30.0
     """Longest wait for the next piece of a request body."""
-    max_connections: int = 64
-    """Open connections beyond this are answered 503."""
+    keep_alive_s: float = 30.0
+    """An idle keep-alive connection is closed after this long. Longer than clients keep theirs (httpx and the
+    openai SDK: 5 s): a server that closes at the moment a client reuses the connection gets its request written
+    into a closed socket, which the client reports as a connection error (and agent harnesses do not retry)."""
+    max_connections: int = 1024
+    """Open connections beyond this are answered 503 (`--max-connections`). Each request in flight holds one, and
+    a caller thread while it samples: agent fleets keep hundreds in flight."""
     served_model_name: str | None = None
     """The model name the OpenAI-compatible routes answer to (default: the job's model_path)."""
     tool_call_parser: str | None = None

@@ -28,7 +28,9 @@ def build_server(settings: ServerSettings, config: BackendConfig | None = None, 
         app.state.job.api, app.state.job.config = backend_factory(config), config
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            http=timed_protocol(settings.header_timeout_s), lifespan="off",
-                                           limit_concurrency=settings.max_connections, timeout_keep_alive=5))
+                                           # uvicorn counts the asking connection among those open
+                                           limit_concurrency=settings.max_connections + 1,
+                                           timeout_keep_alive=settings.keep_alive_s))
     app.state.job.shutdown = lambda: setattr(server, "should_exit", True)
     return server
 
@@ -104,8 +106,10 @@ def main(args) -> int:
         if name not in RequestLimits.names() or not value.isdigit():
             raise SystemExit(f"--limit {item}: expected NAME=INTEGER with NAME one of {', '.join(RequestLimits.names())}")
         setattr(limits, name, int(value))
+    if args.max_connections < 1:
+        raise SystemExit(f"--max-connections {args.max_connections}: at least 1")
     settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20,
-                              checkpoint_dir=args.checkpoint_dir, limits=limits,
+                              max_connections=args.max_connections, checkpoint_dir=args.checkpoint_dir, limits=limits,
                               served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
                               tinker_full_parameter=args.tinker_full_parameter, tinker_tenants=args.tinker_tenants,
                               tinker_keys=tinker_keys(args.tinker_keys))
