@@ -10,6 +10,7 @@ a framework from its tensors, reaches the engine as the same memory.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
@@ -220,6 +221,42 @@ class StepResult(_Strict):
     learning_rate: float
 
 
+MAX_CONSTRAINT_CHARS = 65536
+"""A structured-outputs constraint's text (a JSON schema, a regex, a grammar, the choices together): its grammar is
+compiled before the first token, so its size is capped as any request's work."""
+
+
+class StructuredOutputs(_Strict):
+    """Constrained decoding, as vLLM's `StructuredOutputsParams`: at each step the sampler masks the tokens the
+    constraint does not allow (vLLM's grammar engine, xgrammar). Exactly one constraint. The distribution sampled
+    from is the masked one, renormalised: that is what `logprobs_of: sampler` reports and a session captures as the
+    behaviour policy; the model's own log-probs (the trainer's, `logprobs_of: model`) weigh the unmasked one."""
+
+    json_schema: dict[str, Any] | str | None = None
+    """A JSON schema, as an object or its text: the completion is a JSON value it validates (vLLM's `json`)."""
+    json_object: bool = False
+    """The completion is a JSON object (any)."""
+    regex: str | None = Field(default=None, min_length=1)
+    """The completion matches this regular expression."""
+    choice: list[str] | None = Field(default=None, min_length=1)
+    """The completion is one of these strings."""
+    grammar: str | None = Field(default=None, min_length=1)
+    """The completion is a sentence of this EBNF grammar (xgrammar's, GBNF-like)."""
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> "StructuredOutputs":
+        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json_schema, json_object, regex, choice, grammar (got {given or 'none'})")
+        schema = self.json_schema
+        text = schema if isinstance(schema, str) else json.dumps(schema) if schema is not None else \
+            "".join(self.choice) if self.choice is not None else self.regex or self.grammar or ""
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"the constraint's {given[0]} has {len(text)} characters, over {MAX_CONSTRAINT_CHARS}")
+        return self
+
+
 class SamplingParams(_Strict):
     n: int = Field(default=1, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=MAX_TEMPERATURE)
@@ -258,6 +295,8 @@ class SamplingParams(_Strict):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """Score the prompt too (`Completion.prompt_logprobs`): each prompt token's log-prob and this many
     most likely alternatives; None scores nothing."""
+    structured_outputs: StructuredOutputs | None = None
+    """Constrain the completion (a JSON schema, a regex, choices, a grammar); None: unconstrained."""
     adapter: str | None = Field(default=None, min_length=1, max_length=256)
     """Sample with this LoRA adapter on the sampler's base model: one the server gave the sampler (a Tinker
     tenant's saved weights, `sampler.adapters`); None: the sampler's weights alone."""
@@ -274,11 +313,14 @@ class SamplingParams(_Strict):
 
     def reshaped_by(self) -> str | None:
         """The first parameter that makes the sampled distribution other than the model's at the temperature
-        (truncation, `min_p`, `min_tokens`' mask, a penalty); None where it is the model's."""
+        (truncation, `min_p`, `min_tokens`' mask, a penalty, a structured-outputs constraint); None where it is the
+        model's."""
         greedy = self.temperature == 0  # greedy ignores truncation
         for name, value, neutral in (("top_p", self.top_p, 1.0), ("top_k", self.top_k, 0), ("min_p", self.min_p, 0.0)):
             if not greedy and value != neutral:
                 return name
+        if self.structured_outputs is not None:
+            return "structured_outputs"
         for name, value, neutral in (("min_tokens", self.min_tokens, 0), ("presence_penalty", self.presence_penalty, 0.0),
                                      ("frequency_penalty", self.frequency_penalty, 0.0),
                                      ("repetition_penalty", self.repetition_penalty, 1.0)):

@@ -71,6 +71,38 @@ def test_completions_return_the_sampled_token_ids_and_their_log_probs(server, sd
     assert ids.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids.choices[0].token_ids]
 
 
+def test_echo_puts_the_prompt_and_its_log_probs_before_the_completion(server, sdk, tiny_model):
+    from transformers import AutoTokenizer
+
+    url, backend = server
+    prompt_text = "The quick brown fox"
+    prompt = AutoTokenizer.from_pretrained(tiny_model)(prompt_text)["input_ids"]
+    plain = sdk.completions.create(model=MODEL, prompt=prompt_text, max_tokens=4, temperature=0, logprobs=1)
+    # best_of is taken and not applied, as by vLLM 0.32 (its engine has no best-of sampling)
+    echoed = sdk.completions.create(model=MODEL, prompt=prompt_text, max_tokens=4, temperature=0, logprobs=1, echo=True,
+                                    best_of=3)
+    [choice], [reply] = echoed.choices, plain.choices
+    assert choice.text == prompt_text + reply.text
+    logprobs = choice.logprobs
+    assert logprobs.tokens[len(prompt):] == reply.logprobs.tokens
+    assert logprobs.token_logprobs[len(prompt):] == reply.logprobs.token_logprobs
+    # The prompt's own log-probs first (the first token's null: it has no context), as the sampler scores them.
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    whole = backend.log_probs([{"prompt_ids": prompt[:1], "response_ids": prompt[1:]}], source="sampler").logprobs[0]
+    assert logprobs.token_logprobs[1:len(prompt)] == pytest.approx(whole, abs=1e-4)
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[len(prompt)] >= len(prompt_text) - 1
+    # max_tokens 0 with echo: the prompt alone, with its log-probs; without echo it is refused
+    only = sdk.completions.create(model=MODEL, prompt=prompt_text, max_tokens=0, logprobs=0, echo=True).choices[0]
+    assert only.text == prompt_text and len(only.logprobs.tokens) == len(prompt)
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.completions.create(model=MODEL, prompt=prompt_text, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+    # Streamed, the prompt's text comes first (a sampler that streams tokens sends it alone, then the pieces).
+    pieces = [c.choices[0].text for c in sdk.completions.create(model=MODEL, prompt=prompt_text, max_tokens=4,
+                                                                 temperature=0, echo=True, stream=True) if c.choices]
+    assert pieces[0].startswith(prompt_text) and "".join(pieces) == prompt_text + reply.text
+
+
 def test_chat_renders_with_the_model_template_and_streams(server, sdk, tiny_model):
     from transformers import AutoTokenizer
 
@@ -169,6 +201,13 @@ def test_bad_input_is_a_4xx_in_openais_error_shape(server, sdk):
     with pytest.raises(openai.BadRequestError) as err:
         sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, presence_penalty=0.5)
     assert err.value.body["param"] == "presence_penalty" and "cannot apply" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # the transformers sampler has no grammar engine
+        sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"structured_outputs": {"choice": ["a"]}})
+    assert err.value.body["param"] == "structured_outputs" and "cannot apply" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:  # named by the field that brought the constraint
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    response_format={"type": "json_object"})
+    assert err.value.body["param"] == "response_format"
     with pytest.raises(openai.BadRequestError) as err:
         sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"mirostat": 1})
     assert err.value.body["param"] == "mirostat"

@@ -157,6 +157,7 @@ def test_streamed_replies_arrive_as_the_engine_samples_them(tiny_model):
     assert result["logprob_pieces"] == 60 and result["logprobs_while_sampling"], result
     assert result["streamed_logprobs_are_captured"] and result["streamed_tops"] == [2], result
     assert result["completion_offsets"] == [40, True], result
+    assert result["echo"] == ["Once upon", 22], result  # the prompt, 20 pieces, the last chunk (its finish reason)
 
 
 @pytest.mark.scenario
@@ -171,6 +172,35 @@ def test_a_client_that_goes_away_stops_its_request_and_the_episode_keeps_what_it
     assert result["timeout_turn"] == [True, []], result
     assert result["bystander"] == ["length", 300] and result["engine_idle"], result
     assert result["cancelled"] == 2, result
+
+
+@pytest.mark.scenario
+def test_constrained_replies_follow_their_grammar_and_report_the_masked_distribution(tiny_model):
+    result = run_scenario("constrained", tiny_model)
+    allowed = {"get_weather": ("city", {"Paris", "Rome"}), "get_time": ("zone", {"UTC", "CET"})}
+
+    def valid(calls):  # each call names a tool and its arguments are what that tool's schema allows
+        return all(name in allowed and list(args) == [allowed[name][0]] and args[allowed[name][0]] in allowed[name][1]
+                   for name, args in calls)
+
+    finish, content, calls = result["required"]
+    assert finish == "tool_calls" and content == "" and calls and valid(calls), result
+    finish, content, calls = result["named"]  # a named function's call ends as "stop", as on vLLM
+    assert finish == "stop" and content == "" and [c[0] for c in calls] == ["get_time"] and valid(calls), result
+    finish, content, calls = result["one_call"]  # parallel_tool_calls false: one call
+    assert finish == "tool_calls" and len(calls) == 1 and valid(calls), result
+    finish, reply = result["json_schema"]
+    assert finish == "stop" and valid([["get_weather", reply]]), result
+    # Sampled under `choice`: nothing but the choices; the reported log-probs are the masked distribution's (above
+    # the model's own: the mask removed mass) and the session holds them; `logprobs_of: model` gives the trainer's.
+    assert result["choice_texts"] == [] and result["choice_finish"] == ["stop"] and result["choice_captured"], result
+    assert result["choice_min_gap"] >= -1e-4 and result["choice_max_gap"] > 0.1, result
+    assert result["model_err"] < 1e-4, result
+    assert result["refused"] == {
+        "bad_regex": [400, "structured_outputs"], "bad_schema": [400, "structured_outputs"],
+        "two": [400, "structured_outputs"], "unknown_tool": [400, "tool_choice.function.name"],
+        "no_tools": [400, "tool_choice"], "tools_and_format": [400, "tool_choice"]}, result
+    assert result["still_serving"], result
 
 
 @pytest.mark.scenario

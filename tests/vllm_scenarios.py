@@ -392,6 +392,10 @@ def streaming(model_dir):
         codec = TextCodec(api.config.model_path)
         whole = [sum(len(codec.token_text(t, False)) for t in ids[:k]) for k in range(len(ids))]  # as unstreamed
         result["completion_offsets"] = [len(offsets), offsets == whole]
+        # echo: the prompt's text alone first, then the reply piece by piece
+        echoed = events(url, "completions", {"prompt": "Once upon", "max_tokens": 20, "ignore_eos": True, "echo": True})
+        texts = [e["choices"][0]["text"] for _, e in echoed if e["choices"]]
+        result["echo"] = [texts[0], len(texts)]
     return result
 
 
@@ -474,6 +478,101 @@ def cancelled(model_dir):
         result["bystander"] = [choice["finish_reason"], len(choice["token_ids"])]
         result["engine_idle"] = api.sampler.requests_in_flight() == 0
         result["cancelled"] = httpx.get(f"{url}/v1/status", timeout=30).json()["serving"]["cancelled"]
+    return result
+
+
+_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {key: {"type": "string", "enum": values}}, "required": [key],
+    "additionalProperties": False}}} for name, key, values in (("get_weather", "city", ["Paris", "Rome"]),
+                                                                ("get_time", "zone", ["UTC", "CET"]))]
+
+
+def constrained(model_dir):
+    """Structured outputs on the routes, as `vllm serve` applies them through vLLM's grammar engine: a forced tool
+    choice (`required`, a named function), `response_format`, `structured_outputs`; the log-probs reported and
+    captured are the masked distribution's; `logprobs_of: model` gives the model's own; bad constraints are 400s
+    naming their field."""
+    import tempfile
+
+    import httpx
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.models.tiny import make_tiny_model
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    # Room for a prompt that renders the tools. A random model left free between JSON's tokens fills max_tokens
+    # with whitespace: vLLM's engine option for compact JSON keeps its replies to what the schemas choose.
+    model_dir = make_tiny_model("qwen3", tempfile.mkdtemp(prefix="arctic-rl-constrained-"), max_positions=2048)
+    api = backend(model_dir, engine_args={"structured_outputs_config": {
+        "backend": "xgrammar", "disable_any_whitespace": True}})
+    result = {}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda config: api) as url:
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+        def chat(**kwargs):
+            out = sdk.chat.completions.create(model=model_dir, messages=messages, temperature=0, max_tokens=600,
+                                              **kwargs)
+            [choice] = out.choices
+            calls = [[c.function.name, json.loads(c.function.arguments)] for c in choice.message.tool_calls or []]
+            return [choice.finish_reason, choice.message.content, calls]
+
+        result["required"] = chat(tools=_TOOLS, tool_choice="required")
+        result["named"] = chat(tools=_TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+        result["one_call"] = chat(tools=_TOOLS, tool_choice="required", parallel_tool_calls=False)
+        schema = _TOOLS[0]["function"]["parameters"]
+        reply = sdk.chat.completions.create(
+            model=model_dir, messages=messages, temperature=0, max_tokens=600,
+            response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}})
+        result["json_schema"] = [reply.choices[0].finish_reason, json.loads(reply.choices[0].message.content)]
+
+        # Sampled under `choice`: every completion is one of the choices; the reported log-probs are the masked
+        # distribution's (at least the model's own, above it where the mask removed mass) and are what the session
+        # captured; `logprobs_of: model` reports the model's own, as the trainer computes them.
+        choices = ["yes", "no", "maybe"]
+        prompt = [11, 42, 7, 99, 5, 23]
+        masked = sdk.completions.create(model=model_dir, prompt=prompt, max_tokens=12, n=4, seed=3, logprobs=0,
+                                        extra_body={"structured_outputs": {"choice": choices}, "session_id": "c",
+                                                    "return_token_ids": True})
+        result["choice_texts"] = sorted({c.text for c in masked.choices} - set(choices))
+        result["choice_finish"] = sorted({c.finish_reason for c in masked.choices})
+        turns = api.episode("c").turns
+        result["choice_captured"] = [t.logprobs for t in turns] == [c.logprobs.token_logprobs for c in masked.choices]
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        gaps = []
+        for c in masked.choices:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+            own = torch.log_softmax(logits.double(), -1)[torch.arange(len(c.token_ids)), c.token_ids]
+            gaps += [reported - o for reported, o in zip(c.logprobs.token_logprobs, own.tolist())]
+        result["choice_min_gap"], result["choice_max_gap"] = min(gaps), max(gaps)
+        own = sdk.completions.create(model=model_dir, prompt=prompt, max_tokens=12, seed=3, logprobs=0,
+                                     extra_body={"structured_outputs": {"choice": choices}, "logprobs_of": "model",
+                                                 "return_token_ids": True})
+        [c] = own.choices
+        trainer = api.log_probs([{"prompt_ids": prompt, "response_ids": c.token_ids}]).logprobs
+        result["model_err"] = max_err([c.logprobs.token_logprobs], trainer)
+
+        def refused(route, body):
+            response = httpx.post(f"{url}{route}", json={"model": model_dir, **body}, timeout=120)
+            return [response.status_code, response.json()["error"]["param"]]
+
+        chat_body = {"messages": messages, "max_tokens": 4}
+        result["refused"] = {
+            "bad_regex": refused("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}),
+            "bad_schema": refused("/v1/completions", {"prompt": "x", "structured_outputs": {"json": "{not json"}}),
+            "two": refused("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}),
+            "unknown_tool": refused("/v1/chat/completions", {**chat_body, "tools": _TOOLS, "tool_choice": {
+                "type": "function", "function": {"name": "nope"}}}),
+            "no_tools": refused("/v1/chat/completions", {**chat_body, "tool_choice": "required"}),
+            "tools_and_format": refused("/v1/chat/completions", {**chat_body, "tools": _TOOLS, "tool_choice": "required",
+                                                                 "response_format": {"type": "json_object"}}),
+        }
+        result["still_serving"] = sdk.completions.create(model=model_dir, prompt=prompt, max_tokens=2).choices[0].text
     return result
 
 
@@ -830,5 +929,5 @@ if __name__ == "__main__":
               "abort": abort, "reshaped": reshaped, "cascade": cascade, "continuous": continuous,
               "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming,
               "rope_scaling": rope_scaling, "adapters": adapters,
-              "cancelled": cancelled}[scenario](model_dir, *rest)
+              "cancelled": cancelled, "constrained": constrained}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

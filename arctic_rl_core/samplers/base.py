@@ -18,8 +18,9 @@ class Sampler(ABC):
     """Whether its `logprobs_of: model` log-probs are the model's own (temperature-scaled) at every temperature when
     sampling is reshaped (`SamplingParams.reshaped_by`: truncation, min_p, min_tokens, penalties); where not, the
     backend refuses such a request by name rather than report other numbers."""
-    unsupported_sampling: frozenset[str] = frozenset()
-    """Sampling parameters it cannot apply: refused by name unless at their default."""
+    unsupported_sampling: frozenset[str] = frozenset({"structured_outputs"})
+    """Sampling parameters it cannot apply: refused by name unless at their default. A sampler applies structured
+    outputs only where it says so (it needs a grammar engine)."""
     concurrent_generate: bool = False
     """Whether `generate` and `score` may run from several threads at once (a pool of replicas may)."""
     continuous_batching: bool = False

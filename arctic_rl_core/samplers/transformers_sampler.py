@@ -37,7 +37,8 @@ def _pairs(indices: torch.Tensor, values: torch.Tensor) -> list[list[tuple[int, 
 
 class TransformersSampler(Sampler):
     sync_route = "direct"  # copies into its own model's parameters
-    unsupported_sampling = frozenset({"presence_penalty", "frequency_penalty"})  # Hugging Face's generate has neither
+    # Hugging Face's generate has neither penalty, nor a grammar engine for structured outputs.
+    unsupported_sampling = frozenset({"presence_penalty", "frequency_penalty", "structured_outputs"})
 
     def __init__(self, config: BackendConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer

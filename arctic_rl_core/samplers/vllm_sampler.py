@@ -39,7 +39,7 @@ from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIG
 from arctic_rl_core.samplers.vllm_plain_weights import PACKED_LOAD_FORMAT as PACKED_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
 from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
-from arctic_rl_core.types import Completion, SamplingParams
+from arctic_rl_core.types import Completion, SamplingParams, StructuredOutputs
 
 log = logging.getLogger("arctic_rl.sampler")
 
@@ -61,6 +61,16 @@ def _engine_in_this_process(enabled: bool):
         yield
 
 
+def _structured_outputs(constraint: StructuredOutputs | None):
+    """Ours as vLLM's `StructuredOutputsParams` (its field names; unset ones None, as vLLM wants them)."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(json=constraint.json_schema, json_object=constraint.json_object or None,
+                                   regex=constraint.regex, choice=constraint.choice, grammar=constraint.grammar)
+
+
 def _top(step: dict, k: int) -> list[tuple[int, float]]:
     """The k most likely (token id, log-prob) of one position's vLLM log-probs (which also hold the sampled
     or prompt token, whatever its rank)."""
@@ -76,6 +86,7 @@ class VLLMSampler(Sampler):
     continuous_batching = True
     streams_tokens = True
     cancels_calls = True
+    unsupported_sampling = frozenset()  # structured outputs through vLLM's grammar engines
     crosses_syncs = True  # a weight update cuts requests in flight and they go on under the new weights
     # vLLM 0.32's LoRA logits take one row per request: prompt log-probs under an adapter fail inside its engine
     # (and end it), so they are refused before they reach it.
@@ -170,7 +181,7 @@ class VLLMSampler(Sampler):
             stop=sampling.stop or None, stop_token_ids=sampling.stop_token_ids or None,
             seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
             # Callers get token ids (the serving routes decode them): vLLM writes text only to find stop strings.
-            detokenize=bool(sampling.stop),
+            detokenize=bool(sampling.stop), structured_outputs=_structured_outputs(sampling.structured_outputs),
         )
 
     def abort_generation(self) -> bool:
@@ -240,7 +251,16 @@ class VLLMSampler(Sampler):
                                  None if on_tokens is None else heard, lora)
         if cancel is not None:
             cancel.on_cancel(lambda: self._loop.cancel(call))
-        results = call.result()
+        try:
+            results = call.result()
+        except Exception as err:
+            from vllm.exceptions import VLLMClientError
+
+            # vLLM checks a constraint as it takes the request (its grammar backends parse it): none of the call's
+            # requests stays in the engine.
+            if sampling.structured_outputs is None or not isinstance(err, (ValueError, VLLMClientError)):
+                raise
+            raise InvalidRequest("sampling.structured_outputs", str(err)) from None
         completions = []
         for index, result in enumerate(results):
             for sample in result.samples:

@@ -20,8 +20,7 @@ from arctic_rl_core.types import MAX_TOP_LOGPROBS, SESSION_ID_CHARS, SamplingPar
 
 # Parameters accepted only at the value that leaves sampling as it is.
 NEUTRAL: dict[str, Any] = {
-    "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "echo": False, "suffix": "",
-    "best_of": 1, "structured_outputs": {}, "response_format": {"type": "text"}, "priority": 0, "features": {},
+    "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "suffix": "", "priority": 0, "features": {},
     "content_parts": [], "kv_transfer_params": {}, "ec_transfer_params": {}, "truncate_prompt_tokens": None,
     "logits_processors": [], "continue_final_message": False, "thinking_token_budget": None, "watermarking": None,
     "prompt_logprob_token_ids": [], "logprob_token_ids": [], "repetition_detection": None, "extra_args": {},
@@ -61,6 +60,37 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` (`StructuredOutputsParams`): one constraint on the reply."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    """A JSON schema (vLLM's `json`)."""
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_fallback: Literal[False] = False
+    disable_any_whitespace: Literal[False] = False
+    disable_additional_properties: Literal[False] = False
+    whitespace_pattern: None = None
+    structural_tag: None = None
+    """vLLM's backend options: only at their defaults (this server lets vLLM choose the grammar backend)."""
+
+
+class JsonSchemaFormat(_Request):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that a schema validates."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampled(_Request):
     """What completions and chat requests share."""
 
@@ -97,17 +127,38 @@ class _Sampled(_Request):
     user: str | None = None
     cache_salt: str | None = None
     request_id: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    response_format: ResponseFormat | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def sampling(self, max_tokens: int, logprobs: int) -> SamplingParams:
+    def constraint(self) -> dict | None:
+        """`structured_outputs`, else a JSON `response_format`, as `StructuredOutputs` fields (vLLM's order of
+        precedence); None where the reply is free."""
+        so = self.structured_outputs
+        if so is not None:
+            given = {"json_schema": so.json_, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
+                     "grammar": so.grammar}
+            return {name: value for name, value in given.items() if value is not None}
+        form = self.response_format
+        if form is None or form.type == "text":
+            return None
+        if form.type == "json_object":
+            return {"json_object": True}
+        if form.json_schema is None:
+            raise InvalidRequest("response_format.json_schema", "is required with type json_schema")
+        return {"json_schema": form.json_schema.schema_ or {}}
+
+    def sampling(self, max_tokens: int, logprobs: int, constraint: dict | None = None) -> SamplingParams:
+        """`constraint`: one that overrides the request's own (a forced tool choice's)."""
         values = {"n": self.n, "max_tokens": max_tokens, "stop": self.stops(), "stop_token_ids": self.stop_token_ids or [],
                   "seed": self.seed, "logprobs": logprobs, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
                   "prompt_logprobs": None if self.prompt_logprobs is None else max(self.prompt_logprobs, 0),
                   "temperature": 1.0 if self.temperature is None else self.temperature,
                   "top_p": 1.0 if self.top_p is None else self.top_p,
-                  "top_k": 0 if self.top_k in (None, -1) else self.top_k}
+                  "top_k": 0 if self.top_k in (None, -1) else self.top_k,
+                  "structured_outputs": constraint or self.constraint()}
         return _sampling({**values, **_shaping(self)})
 
 
@@ -126,9 +177,25 @@ def _sampling(values: dict, where: str = "") -> SamplingParams:
 
 class CompletionRequest(_Sampled):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
+    """0 only with `echo`: the prompt back, and its log-probs, with nothing sampled (as vLLM)."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = True
+    echo: bool | None = False
+    """The prompt's text before each choice's; with `logprobs`, the prompt's log-probs before the completion's
+    (the first prompt token's null: it has no context)."""
+    best_of: int | None = None
+    """Accepted and not applied, as by vLLM 0.32, whose engine has no best-of sampling: each of the `n` choices is
+    one sample."""
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampled):
@@ -138,8 +205,10 @@ class ChatCompletionRequest(_Sampled):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
-    """Tools are rendered into the prompt by the chat template; the model's reply is returned as text."""
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    """Tools are rendered into the prompt by the chat template. `auto`: the server's `--tool-call-parser` (if any)
+    reads calls out of the reply; `required` or a named function: the reply is constrained to calls
+    (`serving.constraints`), as `vllm serve` does."""
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

@@ -30,11 +30,13 @@ from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest, NotFound
 from arctic_rl_core.samplers.engine_metrics import served_as
 from arctic_rl_core.serving.coalesce import Coalescer
+from arctic_rl_core.serving.constraints import check_tools, forced_calls, tool_schema
 from arctic_rl_core.serving.pause import Aborted, ClientGone, PauseGate, PauseMode
 from arctic_rl_core.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    NamedToolChoice,
     TokenGenerateRequest,
     TokenizeRequest,
     parse_request,
@@ -233,7 +235,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         with each piece's log-probs. Whole at the end: prompt log-probs, and the model's own log-probs of reshaped
         sampling (`logprobs_of: model`), which the sampler has by scoring the reply again."""
         rescored = sampling.logprobs_of == "model" and sampling.reshaped_by() is not None
-        return (bool(req.stream) and api.sampler.streams_tokens and req.prompt_logprobs is None
+        return (bool(req.stream) and api.sampler.streams_tokens and sampling.prompt_logprobs is None
                 and not (req.logprobs and rescored))
 
     def stream_as_sampled(api, route: str, request: Request, prompts: list[list[int]], sampling: SamplingParams,
@@ -354,11 +356,23 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             raise InvalidRequest("prompt", "must hold at least one prompt")
         prompts = [p if isinstance(p, list) else codec.encode(p, req.add_special_tokens, "prompt") for p in prompt]
         many = len(prompts) > 1
-        sampling = req.sampling(req.max_tokens or 16, req.logprobs or 0)
-        session, fields = session_of(request, req.session_id), lambda f: _renamed(f, "prompt", many)
+        session = session_of(request, req.session_id)
+        fields = lambda f: _renamed(f, "prompt", many, constraint=_constraint_field(req, None))  # noqa: E731
+        # vLLM's echo: each choice's text after its prompt's; with logprobs, the prompt's log-probs before the
+        # reply's. With max_tokens 0 the prompt alone comes back (one token is sampled and not shown).
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidRequest("max_tokens", "must be at least 1 (0 only with echo)")
+        if req.max_tokens == 0 and session is not None:
+            raise InvalidRequest("max_tokens", "0 samples nothing to record in a session")
+        prompt_only = req.max_tokens == 0
+        sampling = req.sampling(1 if prompt_only else req.max_tokens or 16, req.logprobs or 0)
+        if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+            sampling = sampling.model_copy(update={"prompt_logprobs": req.logprobs})
+        echoes = ["" if req.return_token_ids else p if isinstance(p, str) else codec.decode(ids, req.skip_special_tokens)
+                  for p, ids in zip(prompt, prompts)] if req.echo else None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
 
-        def choices_of(sampled: Sampled) -> list[dict]:
+        def choices_of(sampled: Sampled, echoed: bool = True) -> list[dict]:
             choices = []
             for index, c in sampled.choices():
                 prompt_ids = prompts[index // req.n]
@@ -368,10 +382,19 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                     continue
                 text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [],
                                                         req.include_stop_str_in_output, req.skip_special_tokens)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = _completion_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs,
+                                                    req.return_tokens_as_token_ids)
+                if echoes is not None and echoed:
+                    echo = echoes[index // req.n]
+                    text = echo if prompt_only else echo + text
+                    if logprobs is not None:
+                        logprobs = _echoed_logprobs(codec, prompt_ids, c, req.return_tokens_as_token_ids,
+                                                    None if prompt_only else logprobs)
                 choices.append({
                     "index": index, "text": text, "finish_reason": c.finish_reason, "stop_reason": stop_reason,
-                    "logprobs": _completion_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs,
-                                                     req.return_tokens_as_token_ids) if req.logprobs is not None else None,
+                    "logprobs": logprobs,
                     "token_ids": c.token_ids if req.return_token_ids else None,
                     "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                     "prompt_logprobs": _prompt_logprobs(codec, c, prompt_ids),
@@ -395,10 +418,13 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 return [{**head, "choices": [{**choice, "token_ids": None, "logprobs": None,
                                               "text": sent[choice["index"]].rest(choice["text"])
                                               if choice["index"] in sent else choice["text"]}]}
-                        for choice in choices_of(sampled)]
+                        for choice in choices_of(sampled, echoed=False)]  # the echo went first
+            first = [{**head, "choices": [{"index": i, "text": echoes[i // req.n], "logprobs": None,
+                                           "finish_reason": None, "stop_reason": None}]}
+                     for i in range(len(prompts) * req.n)] if echoes is not None else []
             return stream_as_sampled(api, "completions", request, prompts, sampling, session, fields,
                                      lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens),
-                                     [], piece, last, usage_head)
+                                     first, piece, last, usage_head)
         sampled = await sample(api, "completions", prompts, sampling, session, fields, request)
         if sampled is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
@@ -415,10 +441,16 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         prompt_ids = codec.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
+        check_tools(req.tools, req.tool_choice, req.constraint() is not None)
+        forced = req.tool_choice if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice) \
+            else None
+        calls_schema = tool_schema(req.tools or [], forced, req.parallel_tool_calls)
         sampling = req.sampling(max_tokens(api, req.max_completion_tokens or req.max_tokens, [prompt_ids]),
-                                req.top_logprobs or 0)
-        session, fields = session_of(request, req.session_id), lambda f: _renamed(f, "messages", False)
-        parse_tools = serving.tool_call_parser is not None and bool(req.tools) and req.tool_choice != "none"
+                                req.top_logprobs or 0, None if calls_schema is None else {"json_schema": calls_schema})
+        session = session_of(request, req.session_id)
+        fields = lambda f: _renamed(f, "messages", False, constraint=_constraint_field(req, forced))  # noqa: E731
+        parse_tools = (forced is None and serving.tool_call_parser is not None and bool(req.tools)
+                       and req.tool_choice != "none")
         created = int(time.time())
         ident = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -435,17 +467,21 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [],
                                                         req.include_stop_str_in_output,
                                                         req.skip_special_tokens and not parse_tools)
-                calls = []
-                if parse_tools:
+                calls, finish_reason = [], c.finish_reason
+                if forced is not None:  # the reply is the calls (vLLM: empty content, a named call ends as "stop")
+                    calls, text = forced_calls(text, forced), ""
+                    finish_reason = "tool_calls" if forced == "required" and c.finish_reason == "stop" else finish_reason
+                elif parse_tools:
                     text, calls = parse_hermes(text)
                     text = codec.without_special_tokens(text) if req.skip_special_tokens else text
-                message = {"role": "assistant", "content": text or (None if calls else ""),
+                    finish_reason = "tool_calls" if calls else finish_reason
+                message = {"role": "assistant", "content": text or (None if calls and forced is None else ""),
                            **({"tool_calls": calls} if calls else {})}
                 choices.append({
                     "index": index, "message": message,
                     "logprobs": {"content": _chat_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs,
                                                            req.return_tokens_as_token_ids)} if req.logprobs else None,
-                    "finish_reason": "tool_calls" if calls else c.finish_reason, "stop_reason": stop_reason,
+                    "finish_reason": finish_reason, "stop_reason": stop_reason,
                     "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c)})
             return choices
 
@@ -465,7 +501,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                           "weight_versions": choice.get("weight_versions")}]}]
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
-        if streams(req, api, sampling) and not parse_tools:
+        if streams(req, api, sampling) and not parse_tools and forced is None:
             first = [role(i) for i in range(sampling.n)]
             if req.return_token_ids:
                 first[0]["prompt_token_ids"] = prompt_ids
@@ -664,10 +700,22 @@ def _truncated(c: Completion, tokens: int) -> Completion:
                                 "token_versions": None if c.token_versions is None else c.token_versions[:tokens]})
 
 
-def _renamed(field_: str, prompt_field: str, indexed: bool, sampling_prefix: str = "") -> str:
-    """A `generate` field as the route names it: prompts[i] -> the prompt field, sampling.x -> x."""
+def _constraint_field(req, forced) -> str:
+    """The request's field that brought its structured-outputs constraint."""
+    if forced is not None:
+        return "tools"
+    return "response_format" if req.structured_outputs is None and req.response_format is not None \
+        else "structured_outputs"
+
+
+def _renamed(field_: str, prompt_field: str, indexed: bool, sampling_prefix: str = "",
+             constraint: str = "structured_outputs") -> str:
+    """A `generate` field as the route names it: prompts[i] -> the prompt field, sampling.x -> x, the constraint
+    -> the field that brought it (`constraint`)."""
     if field_.startswith("prompts"):
         return prompt_field + (field_[len("prompts"):] if indexed else "")
+    if field_.startswith("sampling.structured_outputs"):
+        return constraint + field_[len("sampling.structured_outputs"):]
     if field_.startswith("sampling."):
         return sampling_prefix + field_[len("sampling."):]
     if field_ == "sampling":
@@ -699,6 +747,21 @@ def _completion_logprobs(codec: TextCodec, token_ids: list[int], logprobs: list[
         tops = [{codec.token_text(t, as_id): lp for t, lp in [(tok, own)] + list(top)}
                 for tok, own, top in zip(token_ids, logprobs, tops)]
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _echoed_logprobs(codec: TextCodec, prompt_ids: list[int], c: Completion, as_id: bool, reply: dict | None) -> dict:
+    """vLLM's echoed completion log-probs: the prompt's (the first token's null, having no context), then the
+    reply's (`reply`, None for the prompt alone), its text offsets after the prompt's."""
+    scored = c.prompt_logprobs or []
+    echoed = _completion_logprobs(codec, prompt_ids[1:], [e[0][1] for e in scored], [e[1:] for e in scored], as_id,
+                                  len(codec.token_text(prompt_ids[0], False)))
+    first = codec.token_text(prompt_ids[0], as_id)
+    out = {"tokens": [first] + echoed["tokens"], "token_logprobs": [None] + echoed["token_logprobs"],
+           "top_logprobs": [None] + echoed["top_logprobs"], "text_offset": [0] + echoed["text_offset"]}
+    if reply is None:
+        return out
+    at = out["text_offset"][-1] + len(codec.token_text(prompt_ids[-1], False))
+    return {key: out[key] + (reply[key] if key != "text_offset" else [at + o for o in reply[key]]) for key in out}
 
 
 def _ranked(entries) -> dict:
