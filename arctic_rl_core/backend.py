@@ -213,7 +213,8 @@ class InProcessBackend(TrainingAPI):
                                  f"{reshaped} at temperature {params.temperature} are not the model's own: sample at "
                                  "temperature 1, or ask for the sampled distribution's (sampling.logprobs_of: sampler)")
         unsupported = next((name for name in self.sampler.unsupported_sampling
-                            if getattr(params, name) != SamplingParams.model_fields[name].default), None)
+                            if getattr(params, name) != SamplingParams.model_fields[name].get_default(
+                                call_default_factory=True)), None)
         if unsupported:
             raise InvalidRequest(f"sampling.{unsupported}", f"the {self.config.sampler.name} sampler cannot apply it")
         if params.adapter is not None:
@@ -228,14 +229,16 @@ class InProcessBackend(TrainingAPI):
                 raise InvalidRequest(f"sampling.{scored}", f"the {self.config.sampler.name} sampler cannot score "
                                      "prompts under an adapter" + ("" if scored == "prompt_logprobs" else
                                                                    ": ask for logprobs_of: sampler"))
-        bad_stop = next((t for t in params.stop_token_ids if t < 0 or t >= vocab), None)
-        if bad_stop is not None:
-            raise InvalidRequest("sampling.stop_token_ids", f"token id {bad_stop} is outside the vocabulary ({vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids)):
+            bad = next((t for t in ids if t < 0 or t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequest(f"sampling.{name}", f"token id {bad} is outside the vocabulary ({vocab})")
         return request
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | dict | None = None,
                  session: str | None = None, on_tokens=None, cancel: Cancellation | None = None) -> list[Completion]:
-        """`on_tokens(prompt index, sample index, token ids, log-probs, top log-probs)`: a sampler that streams
+        """`on_tokens(prompt index, sample index, token ids, log-probs, top log-probs, ranks)`: a sampler that streams
         tokens calls it with each engine step's new tokens; another sampler does not call it. `cancel`: once
         cancelled (a client that went away), a sampler that can (`cancels_calls`) ends this call's requests at its
         next step, and the call returns what they sampled so far; another runs it to its end."""

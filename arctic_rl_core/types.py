@@ -297,6 +297,12 @@ class SamplingParams(_Strict):
     most likely alternatives; None scores nothing."""
     structured_outputs: StructuredOutputs | None = None
     """Constrain the completion (a JSON schema, a regex, choices, a grammar); None: unconstrained."""
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] = Field(default_factory=dict)
+    """Added to these tokens' logits before sampling (OpenAI's, token id -> -100 to 100)."""
+    allowed_token_ids: list[int] = Field(default_factory=list)
+    """Only these tokens are sampled (vLLM's); empty: every token."""
+    bad_words: list[str] = Field(default_factory=list)
+    """Never sampled (vLLM's: a word's tokens are blocked once its other tokens precede)."""
     adapter: str | None = Field(default=None, min_length=1, max_length=256)
     """Sample with this LoRA adapter on the sampler's base model: one the server gave the sampler (a Tinker
     tenant's saved weights, `sampler.adapters`); None: the sampler's weights alone."""
@@ -313,14 +319,15 @@ class SamplingParams(_Strict):
 
     def reshaped_by(self) -> str | None:
         """The first parameter that makes the sampled distribution other than the model's at the temperature
-        (truncation, `min_p`, `min_tokens`' mask, a penalty, a structured-outputs constraint); None where it is the
-        model's."""
+        (truncation, `min_p`, `min_tokens`' mask, a penalty, a structured-outputs constraint, a logit bias, allowed
+        or banned tokens); None where it is the model's."""
         greedy = self.temperature == 0  # greedy ignores truncation
         for name, value, neutral in (("top_p", self.top_p, 1.0), ("top_k", self.top_k, 0), ("min_p", self.min_p, 0.0)):
             if not greedy and value != neutral:
                 return name
-        if self.structured_outputs is not None:
-            return "structured_outputs"
+        for name in ("structured_outputs", "logit_bias", "allowed_token_ids", "bad_words"):
+            if getattr(self, name):
+                return name
         for name, value, neutral in (("min_tokens", self.min_tokens, 0), ("presence_penalty", self.presence_penalty, 0.0),
                                      ("frequency_penalty", self.frequency_penalty, 0.0),
                                      ("repetition_penalty", self.repetition_penalty, 1.0)):
@@ -366,6 +373,9 @@ class Completion(_Strict):
     when `weight_version` sampled every token."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """With `sampling.logprobs` = k: at each sampled position, the k most likely (token id, log-prob)."""
+    ranks: list[int] | None = None
+    """Each sampled token's rank in the distribution its log-prob is of (1: the most likely), as vLLM reports it;
+    None where the sampler does not say."""
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
     """With `sampling.prompt_logprobs` = k: for prompt tokens 1.. (the first has no context), the token's own
     (id, log-prob) first, then the k most likely."""

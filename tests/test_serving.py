@@ -163,6 +163,12 @@ def test_the_token_route_speaks_vllms_own_schema(server):
         assert len(choice.logprobs.content) == len(choice.token_ids) <= 4
         assert [e.token_id for e in choice.logprobs.content] == choice.token_ids
         assert choice.weight_versions[0].version == str(backend.weight_version)
+        # the sampled token's rank in the distribution it was drawn from: its top-1 alternative's log-prob is
+        # above it, or it is that alternative
+        for entry in choice.logprobs.content:
+            best = entry.top_logprobs[0]
+            assert entry.rank >= 1 and (entry.rank == 1) == (best.token_id == entry.token_id or best.logprob
+                                                              <= entry.logprob), entry
         # PrimeRL's renderers client reads each entry's token as "token_id:<id>".
     assert all(e["token"] == f"token_id:{e['token_id']}" for c in raw.json()["choices"] for e in c["logprobs"]["content"])
     # prime-rl's orchestrator adds these to every policy request's sampling_params (renderers forwards them).

@@ -158,6 +158,8 @@ def test_streamed_replies_arrive_as_the_engine_samples_them(tiny_model):
     assert result["streamed_logprobs_are_captured"] and result["streamed_tops"] == [2], result
     assert result["completion_offsets"] == [40, True], result
     assert result["echo"] == ["Once upon", 22], result  # the prompt, 20 pieces, the last chunk (its finish reason)
+    assert result["token_stream"] == {"pieces": 30, "while_sampling": True, "ids": True, "entries": True,
+                                      "ranked": True, "last": ["length", True]}, result
 
 
 @pytest.mark.scenario
@@ -199,7 +201,13 @@ def test_constrained_replies_follow_their_grammar_and_report_the_masked_distribu
     assert result["refused"] == {
         "bad_regex": [400, "structured_outputs"], "bad_schema": [400, "structured_outputs"],
         "two": [400, "structured_outputs"], "unknown_tool": [400, "tool_choice.function.name"],
-        "no_tools": [400, "tool_choice"], "tools_and_format": [400, "tool_choice"]}, result
+        "no_tools": [400, "tool_choice"], "tools_and_format": [400, "tool_choice"],
+        "bias_outside": [400, "logit_bias"]}, result
+    # vLLM's logits processors: a +100 bias samples its token; allowed tokens only those, their log-probs the
+    # model's renormalised over them; a banned word is not sampled even under that bias
+    assert result["biased"] == [77] * 5 and not result["banned"], result
+    tokens, err = result["allowed"]
+    assert set(tokens) <= {30, 31, 32} and err < 1e-4, result
     assert result["still_serving"], result
 
 

@@ -396,6 +396,25 @@ def streaming(model_dir):
         echoed = events(url, "completions", {"prompt": "Once upon", "max_tokens": 20, "ignore_eos": True, "echo": True})
         texts = [e["choices"][0]["text"] for _, e in echoed if e["choices"]]
         result["echo"] = [texts[0], len(texts)]
+        # the token route streams as vLLM's does: each step's ids with their log-probs and ranks, then a chunk with
+        # the finish; together the same seed's whole reply
+        sampling_params = {"max_tokens": 30, "ignore_eos": True, "logprobs": 1, "seed": 9}
+        token_body = {"model": model_dir, "token_ids": [5, 6, 7, 8], "sampling_params": sampling_params}
+        [whole] = httpx.post(f"{url}/inference/v1/generate", json=token_body, timeout=60).json()["choices"]
+        chunks, in_flight = [], []
+        with httpx.stream("POST", f"{url}/inference/v1/generate", json={**token_body, "stream": True},
+                          timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    in_flight.append(api.sampler.requests_in_flight() > 0)
+                    chunks.append(json.loads(line[len("data: "):])["choices"][0])
+        steps = [c for c in chunks if c["token_ids"]]
+        result["token_stream"] = {
+            "pieces": len(steps), "while_sampling": in_flight[0],
+            "ids": [t for c in steps for t in c["token_ids"]] == whole["token_ids"],
+            "entries": [e for c in steps for e in c["logprobs"]["content"]] == whole["logprobs"]["content"],
+            "ranked": all(e["rank"] >= 1 for e in whole["logprobs"]["content"]),
+            "last": [chunks[-1]["finish_reason"], chunks[-1]["weight_versions"] == whole["weight_versions"]]}
     return result
 
 
@@ -557,6 +576,24 @@ def constrained(model_dir):
         trainer = api.log_probs([{"prompt_ids": prompt, "response_ids": c.token_ids}]).logprobs
         result["model_err"] = max_err([c.logprobs.token_logprobs], trainer)
 
+        # vLLM's logits processors: a logit bias, allowed tokens, banned words
+        biased = sdk.completions.create(model=model_dir, prompt=prompt, max_tokens=5, seed=1, logit_bias={"77": 100},
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+        allowed = sdk.completions.create(model=model_dir, prompt=prompt, max_tokens=8, seed=1, logprobs=0,
+                                         extra_body={"allowed_token_ids": [30, 31, 32], "return_token_ids": True,
+                                                     "ignore_eos": True})
+        result["biased"] = biased.choices[0].token_ids
+        [c] = allowed.choices
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1].double()
+        kept = torch.log_softmax(logits[:, [30, 31, 32]], -1)  # the model renormalised over the allowed tokens
+        own = kept[torch.arange(len(c.token_ids)), [[30, 31, 32].index(t) for t in c.token_ids]]
+        result["allowed"] = [sorted(set(c.token_ids)), max_err([c.logprobs.token_logprobs], [own.tolist()])]
+        word = api_text(api, biased.choices[0].token_ids[:1])
+        banned = sdk.completions.create(model=model_dir, prompt=prompt, max_tokens=5, seed=1, logit_bias={"77": 100},
+                                        extra_body={"bad_words": [word], "return_token_ids": True, "ignore_eos": True})
+        result["banned"] = 77 in banned.choices[0].token_ids
+
         def refused(route, body):
             response = httpx.post(f"{url}{route}", json={"model": model_dir, **body}, timeout=120)
             return [response.status_code, response.json()["error"]["param"]]
@@ -571,6 +608,7 @@ def constrained(model_dir):
             "no_tools": refused("/v1/chat/completions", {**chat_body, "tool_choice": "required"}),
             "tools_and_format": refused("/v1/chat/completions", {**chat_body, "tools": _TOOLS, "tool_choice": "required",
                                                                  "response_format": {"type": "json_object"}}),
+            "bias_outside": refused("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}),
         }
         result["still_serving"] = sdk.completions.create(model=model_dir, prompt=prompt, max_tokens=2).choices[0].text
     return result

@@ -18,9 +18,10 @@ class Sampler(ABC):
     """Whether its `logprobs_of: model` log-probs are the model's own (temperature-scaled) at every temperature when
     sampling is reshaped (`SamplingParams.reshaped_by`: truncation, min_p, min_tokens, penalties); where not, the
     backend refuses such a request by name rather than report other numbers."""
-    unsupported_sampling: frozenset[str] = frozenset({"structured_outputs"})
-    """Sampling parameters it cannot apply: refused by name unless at their default. A sampler applies structured
-    outputs only where it says so (it needs a grammar engine)."""
+    unsupported_sampling: frozenset[str] = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids",
+                                                      "bad_words"})
+    """Sampling parameters it cannot apply: refused by name unless at their default. A sampler applies these
+    (vLLM's logits processors and grammar engines) only where it says so."""
     concurrent_generate: bool = False
     """Whether `generate` and `score` may run from several threads at once (a pool of replicas may)."""
     continuous_batching: bool = False
@@ -28,7 +29,7 @@ class Sampler(ABC):
     calls themselves."""
     streams_tokens: bool = False
     """Whether `generate` takes `on_tokens(prompt index, sample index, token ids, their log-probs, their top
-    log-probs or None)` and calls it with each engine step's new tokens."""
+    log-probs or None, their ranks)` and calls it with each engine step's new tokens."""
     cancels_calls: bool = False
     """Whether `generate` takes `cancel` (a `Cancellation`) and, once it is cancelled, ends that call's requests at
     the next engine step: the call returns what it sampled so far, finish reason `abort`."""

@@ -297,8 +297,8 @@ class SamplerPool(Sampler):
     def generate(self, prompts, sampling: SamplingParams, weight_version: int,
                  on_tokens: Callable[..., None] | None = None,
                  cancel: Cancellation | None = None) -> list[Completion]:
-        """`on_tokens(prompt index, sample index, token ids, log-probs, top log-probs)`: as the vLLM sampler's, where every replica streams
-        (each replica's tokens reach this process as its engine samples them). `cancel`: once cancelled, every live
+        """`on_tokens(prompt index, sample index, token ids, log-probs, top log-probs, ranks)`: as the vLLM
+        sampler's, where every replica streams (each replica's tokens reach this process as its engine samples them). `cancel`: once cancelled, every live
         replica is told to end its share of this call."""
         units = self._by_prompt(prompts, lambda ix: len(prompts[ix[0]]) + len(ix) * sampling.n * sampling.max_tokens)
         call_id = None

@@ -37,8 +37,8 @@ def _pairs(indices: torch.Tensor, values: torch.Tensor) -> list[list[tuple[int, 
 
 class TransformersSampler(Sampler):
     sync_route = "direct"  # copies into its own model's parameters
-    # Hugging Face's generate has neither penalty, nor a grammar engine for structured outputs.
-    unsupported_sampling = frozenset({"presence_penalty", "frequency_penalty", "structured_outputs"})
+    # Hugging Face's generate has neither penalty; nor do we pass it constraints, biases or banned words.
+    unsupported_sampling = Sampler.unsupported_sampling | {"presence_penalty", "frequency_penalty"}
 
     def __init__(self, config: BackendConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,6 +145,7 @@ class TransformersSampler(Sampler):
                         logits = logits / sampling.temperature
                 all_logprobs = torch.log_softmax(logits, dim=-1)
                 logprobs = all_logprobs.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+                ranks = 1 + (all_logprobs > logprobs.unsqueeze(-1)).sum(-1)
                 top = torch.topk(all_logprobs, sampling.logprobs, dim=-1) if sampling.logprobs else None
                 prompt_scores = self._prompt_logprobs(prompt, sampling.prompt_logprobs)
                 for row in range(new.shape[0]):
@@ -160,7 +161,7 @@ class TransformersSampler(Sampler):
                             finish_reason=reason,
                             weight_version=weight_version,
                             top_logprobs=None if top is None else _pairs(top.indices[row, :end], top.values[row, :end]),
-                            prompt_logprobs=prompt_scores,
+                            ranks=ranks[row, :end].tolist(), prompt_logprobs=prompt_scores,
                         )
                     )
         return completions

@@ -86,7 +86,7 @@ class VLLMSampler(Sampler):
     continuous_batching = True
     streams_tokens = True
     cancels_calls = True
-    unsupported_sampling = frozenset()  # structured outputs through vLLM's grammar engines
+    unsupported_sampling = frozenset()  # biases, allowed and banned tokens, structured outputs: vLLM applies them
     crosses_syncs = True  # a weight update cuts requests in flight and they go on under the new weights
     # vLLM 0.32's LoRA logits take one row per request: prompt log-probs under an adapter fail inside its engine
     # (and end it), so they are refused before they reach it.
@@ -182,6 +182,8 @@ class VLLMSampler(Sampler):
             seed=sampling.seed, logprobs=sampling.logprobs, prompt_logprobs=sampling.prompt_logprobs,
             # Callers get token ids (the serving routes decode them): vLLM writes text only to find stop strings.
             detokenize=bool(sampling.stop), structured_outputs=_structured_outputs(sampling.structured_outputs),
+            logit_bias=sampling.logit_bias or None, allowed_token_ids=sampling.allowed_token_ids or None,
+            bad_words=sampling.bad_words or None,
         )
 
     def abort_generation(self) -> bool:
@@ -217,7 +219,8 @@ class VLLMSampler(Sampler):
     def generate(self, prompts, sampling: SamplingParams, weight_version: int,
                  on_tokens: Callable[..., None] | None = None,
                  cancel: Cancellation | None = None) -> list[Completion]:
-        """`on_tokens(prompt index, sample index, token ids, their log-probs, their top log-probs or None)` hears of
+        """`on_tokens(prompt index, sample index, token ids, their log-probs, their top log-probs or None, their
+        ranks)` hears of
         each engine step's new tokens (on the engine's thread: it must return at once); the log-probs are vLLM's,
         those of the distribution sampled from (before any scoring again for `logprobs_of: model`). Once `cancel`
         is cancelled the call's requests end at the next engine step."""
@@ -244,7 +247,8 @@ class VLLMSampler(Sampler):
                   cancel: Cancellation | None) -> list[Completion]:
         def heard(prompt: int, sample: int, tokens: list[int], steps: list[dict]) -> None:
             on_tokens(prompt, sample, tokens, [step[token].logprob for step, token in zip(steps, tokens)],
-                      [_top(step, sampling.logprobs) for step in steps] if sampling.logprobs else None)
+                      [_top(step, sampling.logprobs) for step in steps] if sampling.logprobs else None,
+                      [step[token].rank for step, token in zip(steps, tokens)])
 
         lora = self._loras[sampling.adapter] if sampling.adapter is not None else None
         call = self._loop.submit([{"prompt_token_ids": p} for p in prompts], self._params(sampling),
@@ -275,6 +279,7 @@ class VLLMSampler(Sampler):
                         weight_version=sample.versions[0] if sample.versions else weight_version,
                         token_versions=sample.versions if len(set(sample.versions)) > 1 else None,
                         top_logprobs=[_top(step, sampling.logprobs) for step in sample.logprobs] if sampling.logprobs else None,
+                        ranks=[step[token].rank for step, token in zip(sample.logprobs, sample.token_ids)],
                         prompt_logprobs=None if sampling.prompt_logprobs is None or result.prompt_logprobs is None else [
                             [(token, step[token].logprob)] + _top(step, sampling.prompt_logprobs)
                             for step, token in zip(result.prompt_logprobs[1:], prompts[index][1:])],

@@ -20,7 +20,7 @@ from arctic_rl_core.types import MAX_TOP_LOGPROBS, SESSION_ID_CHARS, SamplingPar
 
 # Parameters accepted only at the value that leaves sampling as it is.
 NEUTRAL: dict[str, Any] = {
-    "logit_bias": {}, "allowed_token_ids": [], "bad_words": [], "suffix": "", "priority": 0, "features": {},
+    "suffix": "", "priority": 0, "features": {},
     "content_parts": [], "kv_transfer_params": {}, "ec_transfer_params": {}, "truncate_prompt_tokens": None,
     "logits_processors": [], "continue_final_message": False, "thinking_token_budget": None, "watermarking": None,
     "prompt_logprob_token_ids": [], "logprob_token_ids": [], "repetition_detection": None, "extra_args": {},
@@ -129,6 +129,11 @@ class _Sampled(_Request):
     request_id: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_reasoning: bool = True
+    """vLLM's: without a reasoning parser (this server has none) the reply has no reasoning to leave out."""
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -163,9 +168,12 @@ class _Sampled(_Request):
 
 
 def _shaping(request) -> dict:
-    """The penalties, min_p and whose log-probs, as `SamplingParams` names them (a null is the default)."""
+    """The penalties, min_p, biases, allowed and banned tokens and whose log-probs, as `SamplingParams` names them
+    (a null is the default)."""
     values = {"min_p": request.min_p, "logprobs_of": request.logprobs_of, "presence_penalty": request.presence_penalty,
-              "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty}
+              "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
+              "logit_bias": request.logit_bias, "allowed_token_ids": request.allowed_token_ids,
+              "bad_words": request.bad_words}
     return {name: value for name, value in values.items() if value is not None}
 
 
@@ -234,6 +242,9 @@ class TokenSamplingParams(_Request):
     repetition_penalty: float = 1.0
     logprobs_of: Literal["model", "sampler"] = "sampler"
     """Ours, as the chat and completions routes' `logprobs_of`."""
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     flat_logprobs: bool = False

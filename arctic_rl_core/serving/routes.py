@@ -230,20 +230,21 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         api = api_of()
         return req, api, check_model(api, req.model)
 
-    def streams(req, api, sampling: SamplingParams) -> bool:
+    def streams(req, api, sampling: SamplingParams, logprobs) -> bool:
         """Whether the request's text is sent as the engine samples it (`stream` on a sampler that streams tokens),
-        with each piece's log-probs. Whole at the end: prompt log-probs, and the model's own log-probs of reshaped
-        sampling (`logprobs_of: model`), which the sampler has by scoring the reply again."""
+        with each piece's log-probs (if `logprobs` asks for them). Whole at the end: prompt log-probs, and the
+        model's own log-probs of reshaped sampling (`logprobs_of: model`), which the sampler has by scoring the
+        reply again."""
         rescored = sampling.logprobs_of == "model" and sampling.reshaped_by() is not None
         return (bool(req.stream) and api.sampler.streams_tokens and sampling.prompt_logprobs is None
-                and not (req.logprobs and rescored))
+                and not (logprobs is not None and logprobs is not False and rescored))
 
     def stream_as_sampled(api, route: str, request: Request, prompts: list[list[int]], sampling: SamplingParams,
                           session: str | None, fields: Callable[[str], str], texts: Callable[[int], StreamedText],
                           first: list[dict], piece: Callable[..., dict],
                           last: Callable[[Sampled, dict[int, StreamedText]], list[dict]], usage_head: dict | None):
         """Server-sent events while the engine samples: `first`, then `piece(choice, text, token ids, their log-probs,
-        their top log-probs)` as each choice's tokens arrive (text that may be shown: `texts(choice)`), then
+        their top log-probs, their ranks)` as each choice's tokens arrive (text that may be shown: `texts(choice)`), then
         `last(sampled, texts)`, usage with
         `usage_head`. The request is checked before the response starts: a bad one is an HTTP error.
 
@@ -254,9 +255,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = Cancellation()
 
-        def on_tokens(prompt: int, sample: int, token_ids: list[int], logprobs: list[float], tops) -> None:
+        def on_tokens(prompt: int, sample: int, token_ids: list[int], logprobs: list[float], tops, ranks) -> None:
             # on the engine's thread: handed to the event loop
-            loop.call_soon_threadsafe(pieces.put_nowait, (prompt * sampling.n + sample, token_ids, logprobs, tops))
+            loop.call_soon_threadsafe(pieces.put_nowait,
+                                      (prompt * sampling.n + sample, token_ids, logprobs, tops, ranks))
 
         work = asyncio.ensure_future(sample(api, route, prompts, sampling, session, fields, request, on_tokens, cancel))
         work.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))  # after every piece
@@ -270,9 +272,9 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 for event in first:
                     yield f"data: {json.dumps(event)}\n\n"
                 while (item := await pieces.get()) is not None:
-                    choice, token_ids, logprobs, tops = item
+                    choice, token_ids, logprobs, tops, ranks = item
                     text = text_of.setdefault(choice, texts(choice)).add(token_ids)
-                    yield f"data: {json.dumps(piece(choice, text, token_ids, logprobs, tops))}\n\n"
+                    yield f"data: {json.dumps(piece(choice, text, token_ids, logprobs, tops, ranks))}\n\n"
                     sent[choice] = sent.get(choice, 0) + len(token_ids)
                 ended = True
                 try:
@@ -370,7 +372,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             sampling = sampling.model_copy(update={"prompt_logprobs": req.logprobs})
         echoes = ["" if req.return_token_ids else p if isinstance(p, str) else codec.decode(ids, req.skip_special_tokens)
                   for p, ids in zip(prompt, prompts)] if req.echo else None
-        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model}
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model,
+                "system_fingerprint": _fingerprint(api)}
 
         def choices_of(sampled: Sampled, echoed: bool = True) -> list[dict]:
             choices = []
@@ -402,10 +405,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             return choices
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
-        if streams(req, api, sampling):
+        if streams(req, api, sampling, req.logprobs):
             text_at: dict[int, int] = {}  # per choice, where the next piece's text starts (its log-probs' offsets)
 
-            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops) -> dict:
+            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops, _ranks) -> dict:
                 entries = None
                 if req.logprobs is not None:
                     entries = _completion_logprobs(codec, token_ids, logprobs, tops, req.return_tokens_as_token_ids,
@@ -453,7 +456,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                        and req.tool_choice != "none")
         created = int(time.time())
         ident = f"chatcmpl-{uuid.uuid4().hex}"
-        head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model}
+        head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                "system_fingerprint": _fingerprint(api)}
 
         def choices_of(sampled: Sampled) -> list[dict]:
             choices = []
@@ -501,12 +505,12 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                           "weight_versions": choice.get("weight_versions")}]}]
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
-        if streams(req, api, sampling) and not parse_tools and forced is None:
+        if streams(req, api, sampling, req.logprobs) and not parse_tools and forced is None:
             first = [role(i) for i in range(sampling.n)]
             if req.return_token_ids:
                 first[0]["prompt_token_ids"] = prompt_ids
 
-            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops) -> dict:
+            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops, _ranks) -> dict:
                 entries = {"content": _chat_logprobs(codec, token_ids, logprobs, tops, req.return_tokens_as_token_ids)
                            } if req.logprobs else None
                 return {**head, "choices": [{"index": index, "delta": {"content": text}, "logprobs": entries,
@@ -524,8 +528,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         if sampled is None:
             return Response(status_code=499)
         first = sampled.completions[0] if sampled.completions else None
-        payload = {"id": ident, "object": "chat.completion", "created": created,
-                   "model": model, "choices": choices_of(sampled), "usage": sampled.usage,
+        payload = {"id": ident, "object": "chat.completion", "created": created, "model": model,
+                   "system_fingerprint": head["system_fingerprint"], "choices": choices_of(sampled), "usage": sampled.usage,
                    "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                    "prompt_logprobs": _prompt_logprobs(codec, first, prompt_ids) if first else None}
 
@@ -546,37 +550,69 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         if req.output_mode == "text" and not req.sampling_params.detokenize:
             raise InvalidRequest("output_mode", "'text' needs sampling_params.detokenize true")
         sampling = req.sampling(max_tokens(api, req.sampling_params.max_tokens, [req.token_ids]))
-        sampled = await sample(api, "generate", [req.token_ids], sampling, session_of(request, req.session_id),
-                               lambda f: _renamed(f, "token_ids", False, sampling_prefix="sampling_params."), request)
+        session = session_of(request, req.session_id)
+        fields = lambda f: _renamed(f, "token_ids", False, sampling_prefix="sampling_params.")  # noqa: E731
+        codec = serving.codec(api) if req.output_mode == "text" else None
+        params = req.sampling_params
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        request_id = req.request_id or uuid.uuid4().hex
+        head = {"request_id": request_id, "output_mode": req.output_mode}
+
+        def entries(token_ids, logprobs, tops, ranks) -> dict | None:
+            """vLLM's: `GenerateLogProbs` by token id, or with text the chat shape."""
+            if params.logprobs is None:
+                return None
+            if codec is not None:
+                return {"content": _chat_logprobs(codec, token_ids, logprobs, tops, False)}
+            return {"content": _token_logprobs(token_ids, logprobs, tops, ranks)}
+
+        def choices_of(sampled: Sampled) -> list[dict]:
+            choices = []
+            for index, c in sampled.choices():
+                if c is None:
+                    choices.append({"index": index, "finish_reason": "abort", "stop_reason": None, "token_ids": [],
+                                    "logprobs": None, **({"text": ""} if codec else {})})
+                    continue
+                choice = {"index": index, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                          "weight_versions": _spans(c), "stop_reason": None,
+                          "logprobs": entries(c.token_ids, c.logprobs, c.top_logprobs, c.ranks)}
+                if codec is not None:
+                    choice["text"], choice["stop_reason"] = codec.finished_text(
+                        c, stops, params.stop_token_ids or [], params.include_stop_str_in_output,
+                        params.skip_special_tokens)
+                elif c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in (params.stop_token_ids or []):
+                    choice["stop_reason"] = c.token_ids[-1]
+                choices.append(choice)
+            return choices
+
+        if streams(req, api, sampling, params.logprobs):
+            # vLLM's stream: each step's token ids (and text) with their log-probs, then per choice a last chunk
+            # with its finish and stop reasons and weight versions; the prompt's ids on the first, if asked.
+            unsent_prompt = [req.token_ids] if req.return_token_ids else []
+
+            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops, ranks) -> dict:
+                chunk = {**head, "choices": [{"index": index, "finish_reason": None, "stop_reason": None,
+                                              "token_ids": token_ids, "logprobs": entries(token_ids, logprobs, tops, ranks),
+                                              **({"text": text} if codec else {})}]}
+                if unsent_prompt:
+                    chunk["prompt_token_ids"] = unsent_prompt.pop()
+                return chunk
+
+            def last(sampled: Sampled, sent: dict[int, StreamedText]) -> list[dict]:
+                return [{**head, "choices": [{**choice, "token_ids": [], "logprobs": None, **({"text": (
+                    sent[choice["index"]].rest(choice["text"]) if choice["index"] in sent else choice["text"])}
+                    if codec else {})}]} for choice in choices_of(sampled)]
+            usage_head = head if req.stream_options and req.stream_options.include_usage else None
+            return stream_as_sampled(api, "generate", request, [req.token_ids], sampling, session, fields,
+                                     lambda _: StreamedText(codec, stops, params.skip_special_tokens) if codec
+                                     else _NO_TEXT, [], piece, last, usage_head)
+        sampled = await sample(api, "generate", [req.token_ids], sampling, session, fields, request)
         if sampled is None:
             return Response(status_code=499)
-        codec = serving.codec(api) if req.output_mode == "text" else None
-        stops = req.sampling_params.stop
-        stops = [stops] if isinstance(stops, str) else list(stops or [])
-        choices = []
-        for index, c in sampled.choices():
-            if c is None:
-                choices.append({"index": index, "finish_reason": "abort", "stop_reason": None, "token_ids": [],
-                                "logprobs": None, **({"text": ""} if codec else {})})
-                continue
-            choice = {"index": index, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
-                      "weight_versions": _spans(c), "stop_reason": None,
-                      "logprobs": ({"content": _token_logprobs(c)} if req.sampling_params.logprobs is not None else None)}
-            if codec is not None:
-                choice["text"], choice["stop_reason"] = codec.finished_text(
-                    c, stops, req.sampling_params.stop_token_ids or [], req.sampling_params.include_stop_str_in_output,
-                    req.sampling_params.skip_special_tokens)
-                if choice["logprobs"] is not None:
-                    choice["logprobs"] = {"content": _chat_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs, False)}
-            elif c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in (req.sampling_params.stop_token_ids or []):
-                choice["stop_reason"] = c.token_ids[-1]
-            choices.append(choice)
         first = sampled.completions[0] if sampled.completions else None
-        payload = {"request_id": req.request_id or uuid.uuid4().hex, "model": model, "created": int(time.time()),
+        payload = {"request_id": request_id, "model": model, "created": int(time.time()),
                    "output_mode": req.output_mode, "usage": sampled.usage, "prompt_token_ids": req.token_ids,
-                   "prompt_logprobs": _vllm_prompt_logprobs(first) if first else None, "choices": choices}
-
-        head = {"request_id": payload["request_id"], "output_mode": req.output_mode}
+                   "prompt_logprobs": _vllm_prompt_logprobs(first) if first else None, "choices": choices_of(sampled)}
         return respond(req, payload, lambda p: [
             {**head, "choices": [choice], **({"prompt_token_ids": p["prompt_token_ids"]} if i == 0 and req.return_token_ids else {})}
             for i, choice in enumerate(p["choices"])], head)
@@ -672,6 +708,12 @@ async def _client_gone(request: Request) -> None:
     that (or the end of the response), as vLLM's own routes listen for it."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _fingerprint(api) -> str:
+    """OpenAI's `system_fingerprint`, which changes when what answers changes: here the server and the weight
+    version that answered the request's start (vLLM's names its version and engine configuration)."""
+    return f"arctic-rl-{_version('arctic-rl')}-v{api.weight_version}"
 
 
 def _version(distribution: str) -> str | None:
@@ -787,9 +829,26 @@ def _prompt_logprobs(codec: TextCodec, c: Completion | None, prompt_ids: list[in
                      for e in c.prompt_logprobs]
 
 
-def _token_logprobs(c: Completion) -> list[dict]:
-    """vLLM's `GenerateLogProbsContent`, with the `token` as "token_id:<id>" as PrimeRL's renderers client reads."""
-    tops = c.top_logprobs or [[] for _ in c.token_ids]
-    return [{"token_id": t, "logprob": lp, "token": f"token_id:{t}",
+def _token_logprobs(token_ids: list[int], logprobs: list[float], tops, ranks: list[int] | None) -> list[dict]:
+    """vLLM's `GenerateLogProbsContent` (the sampled token's rank where the sampler reports it), with the `token`
+    as "token_id:<id>" as PrimeRL's renderers client reads."""
+    tops = tops or [[] for _ in token_ids]
+    ranks = ranks or [None for _ in token_ids]
+    return [{"token_id": t, "logprob": lp, "rank": rank or None, "token": f"token_id:{t}",
              "top_logprobs": [{"token_id": a, "logprob": b, "rank": r} for r, (a, b) in enumerate(top, start=1)]}
-            for t, lp, top in zip(c.token_ids, c.logprobs, tops)]
+            for t, lp, top, rank in zip(token_ids, logprobs, tops, ranks)]
+
+
+class _NoText:
+    """The text a token-mode stream sends: none."""
+
+    @staticmethod
+    def add(token_ids: list[int]) -> str:
+        return ""
+
+    @staticmethod
+    def rest(finished: str) -> str:
+        return ""
+
+
+_NO_TEXT = _NoText()

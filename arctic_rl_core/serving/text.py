@@ -69,16 +69,19 @@ class TextCodec:
 
     def finished_text(self, completion: Completion, stops: list[str], stop_token_ids: list[int],
                       include_stop: bool, skip_special_tokens: bool) -> tuple[str, int | str | None]:
-        """The completion's text, cut before a stop string it ends with (as vLLM does: the token ids keep
-        every sampled token), and what stopped it: the stop string or token id; None for EOS or length."""
-        text = self.decode(completion.token_ids, skip_special_tokens)
+        """The completion's text as vLLM's detokenizer writes it (the token ids keep every sampled token): cut
+        before a stop string it ends with; without the stop token (EOS or one of `stop_token_ids`) that ended it;
+        without a last character whose bytes never all came. And what stopped it: the stop string or token id;
+        None for EOS or length. `include_stop` keeps the stop string or token."""
+        ids = completion.token_ids
+        text = self.decode(ids, skip_special_tokens).rstrip("\ufffd")
         if completion.finish_reason != "stop":
             return text, None
-        if completion.token_ids and completion.token_ids[-1] in stop_token_ids:
-            return text, completion.token_ids[-1]
         hits = [(text.find(s), s) for s in stops if s and s in text]
-        if not hits:
-            return text, None
+        if not hits:  # a stop token ended it
+            if not include_stop and ids:
+                text = self.decode(ids[:-1], skip_special_tokens).rstrip("\ufffd")
+            return text, ids[-1] if ids and ids[-1] in stop_token_ids else None
         at, stop = min(hits)
         return (text[: at + len(stop)] if include_stop else text[:at]), stop
 
