@@ -53,7 +53,8 @@ def test_completions_return_the_sampled_token_ids_and_their_log_probs(server, sd
     assert out.usage.completion_tokens == sum(len(c.token_ids) for c in out.choices)
     for choice in out.choices:
         assert choice.prompt_token_ids == prompt
-        assert choice.text == tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        # as vLLM's detokenizer writes it: less a last character whose bytes never all came
+        assert choice.text == tokenizer.decode(choice.token_ids, skip_special_tokens=True).rstrip("\ufffd")
         assert len(choice.logprobs.token_logprobs) == len(choice.token_ids)
         assert all(len(top) >= 2 for top in choice.logprobs.top_logprobs)
         assert choice.weight_versions == [{"version": "0", "start": 0, "end": len(choice.token_ids)}]

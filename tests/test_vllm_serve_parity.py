@@ -49,6 +49,8 @@ SHARED = {
     "stop_token_ids": ({"stop_token_ids": [77]}, True),
     "stream": ({"stream": True}, True),
     "stream_options": ({"stream": True, "stream_options": {"include_usage": True}}, True),
+    # a reply ended by EOS, whose text shows: neither stream sends it
+    "stream, skip_special_tokens": ({"stream": True, "skip_special_tokens": False}, True),
     "structured_outputs": ({"structured_outputs": {"choice": ["yes", "no"]}}, True),
     "response_format": ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "w", "schema": TOOLS[0]["function"]["parameters"]}}}, True),
@@ -132,11 +134,13 @@ def servers(tmp_path_factory):
     from arctic_rl_bench.generate import MAX_MODEL_LEN
     from arctic_rl_bench.serve_vs_vllm import _arctic_command, _ports, _server, _vllm_command
 
+    from arctic_rl_core.engines.distributed import standalone_env
     from arctic_rl_core.models.tiny import make_tiny_model
 
     work = str(tmp_path_factory.mktemp("parity"))
     model = make_tiny_model("qwen3", os.path.join(work, "model"), max_positions=MAX_MODEL_LEN)
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    # each server a world of its own, not this test process's rendezvous (a test before it may have set one)
+    env = {**standalone_env(), "VLLM_LOGGING_LEVEL": "WARNING"}
     ours, theirs = _ports(2)
     # Tool calls read by the same parser on both (vLLM also wants auto tool choice turned on).
     arctic = _arctic_command(model, ours, work, "in_process") + ["--tool-call-parser", "hermes"]

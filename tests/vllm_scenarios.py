@@ -353,7 +353,7 @@ def streaming(model_dir):
         text = "".join(c["text"] for _, c in pieces) + "".join(c["text"] for c in final)
         result = {"pieces": len(pieces), "first_piece_s": pieces[0][0], "last_s": streamed[-1][0],
                   "sampling_at_first_piece": sampling_at_first_piece,
-                  "tokens": len(ids), "text_is_reply": text == api_text(api, ids),
+                  "tokens": len(ids), "text_is_reply": text == api_text(api, ids).rstrip("\ufffd"),
                   "finish": [c["finish_reason"] for c in final],
                   "usage": [e["usage"]["completion_tokens"] for _, e in streamed if e.get("usage")]}
 

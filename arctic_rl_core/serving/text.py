@@ -22,9 +22,25 @@ _RENDERER_OPTIONS = frozenset({
 
 class TextCodec:
     def __init__(self, model_path: str):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, GenerationConfig
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        try:
+            eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:  # no generation_config.json
+            eos = None
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        """The tokens that end a reply unless `ignore_eos` (the tokenizer's and the generation config's, as vLLM's)."""
+
+    def stream_stop_ids(self, stop_token_ids: list[int], ignore_eos: bool, include_stop: bool) -> frozenset[int]:
+        """The tokens a stream holds back the text of until the next one comes: each may end the reply, whose
+        text then leaves it out (vLLM's detokenizer does; `include_stop` keeps it)."""
+        if include_stop:
+            return frozenset()
+        return frozenset(stop_token_ids) | (frozenset() if ignore_eos else self.eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -90,15 +106,19 @@ class StreamedText:
     """One choice's text as its tokens arrive: each `add` gives what may be sent now, never a stop string or the
     start of one, nor half a character; `rest` gives what the finished text adds to what was sent."""
 
-    def __init__(self, codec: TextCodec, stops: list[str], skip_special_tokens: bool):
+    def __init__(self, codec: TextCodec, stops: list[str], skip_special_tokens: bool,
+                 stop_ids: frozenset[int] = frozenset()):
         self.codec, self.stops, self.skip = codec, [s for s in stops if s], skip_special_tokens
         self.hold_back = max(map(len, self.stops), default=1) - 1
+        self.stop_ids = stop_ids
+        """`TextCodec.stream_stop_ids`: a last token among them is not shown until another follows it."""
         self.ids: list[int] = []
         self.sent = ""
 
     def add(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        text = self.codec.decode(self.ids, self.skip).rstrip("\ufffd")  # a character whose bytes are still to come
+        shown = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
+        text = self.codec.decode(shown, self.skip).rstrip("\ufffd")  # a character whose bytes are still to come
         hits = [text.find(s) for s in self.stops if s in text]
         text = text[:min(hits)] if hits else text[:len(text) - self.hold_back]
         if len(text) <= len(self.sent) or not text.startswith(self.sent):

@@ -170,6 +170,7 @@ def test_c_the_eval_client_relays_chat_completions_and_the_turn_is_captured(serv
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
     assert turn.prompt_ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert len(turn.token_ids) == call.usage.completion_tokens
-    assert (trace.messages[-1].content or "") == tokenizer.decode(turn.token_ids, skip_special_tokens=True)
+    # (as vLLM writes it: less a last character whose bytes never all came)
+    assert (trace.messages[-1].content or "") == tokenizer.decode(turn.token_ids, skip_special_tokens=True).rstrip("\ufffd")
     assert turn.weight_version >= tool_model
     print(f"\neval: {len(turn.prompt_ids)} prompt tokens, reply {trace.messages[-1].content!r}")
