@@ -425,9 +425,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             first = [{**head, "choices": [{"index": i, "text": echoes[i // req.n], "logprobs": None,
                                            "finish_reason": None, "stop_reason": None}]}
                      for i in range(len(prompts) * req.n)] if echoes is not None else []
-            stop_ids = codec.stream_stop_ids(req.stop_token_ids or [], req.ignore_eos, req.include_stop_str_in_output)
             return stream_as_sampled(api, "completions", request, prompts, sampling, session, fields,
-                                     lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens, stop_ids),
+                                     lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens,
+                                                            req.stop_token_ids or [], req.ignore_eos,
+                                                            req.include_stop_str_in_output),
                                      first, piece, last, usage_head)
         sampled = await sample(api, "completions", prompts, sampling, session, fields, request)
         if sampled is None:
@@ -522,9 +523,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 return [event for choice in choices_of(sampled) for event in ending(
                     choice, sent[choice["index"]].rest(choice["message"]["content"] or "") if choice["index"] in sent
                     else choice["message"]["content"], None, None)]
-            stop_ids = codec.stream_stop_ids(req.stop_token_ids or [], req.ignore_eos, req.include_stop_str_in_output)
             return stream_as_sampled(api, "chat", request, [prompt_ids], sampling, session, fields,
-                                     lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens, stop_ids),
+                                     lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens,
+                                                            req.stop_token_ids or [], req.ignore_eos,
+                                                            req.include_stop_str_in_output),
                                      first, piece, last, usage_head)
         sampled = await sample(api, "chat", [prompt_ids], sampling, session, fields, request)
         if sampled is None:
@@ -605,14 +607,11 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                     sent[choice["index"]].rest(choice["text"]) if choice["index"] in sent else choice["text"])}
                     if codec else {})}]} for choice in choices_of(sampled)]
             usage_head = head if req.stream_options and req.stream_options.include_usage else None
-
-            def text_of(_) -> StreamedText | _NoText:
-                if codec is None:
-                    return _NO_TEXT
-                return StreamedText(codec, stops, params.skip_special_tokens, codec.stream_stop_ids(
-                    params.stop_token_ids or [], params.ignore_eos, params.include_stop_str_in_output))
             return stream_as_sampled(api, "generate", request, [req.token_ids], sampling, session, fields,
-                                     text_of, [], piece, last, usage_head)
+                                     lambda _: StreamedText(codec, stops, params.skip_special_tokens,
+                                                            params.stop_token_ids or [], params.ignore_eos,
+                                                            params.include_stop_str_in_output) if codec else _NO_TEXT,
+                                     [], piece, last, usage_head)
         sampled = await sample(api, "generate", [req.token_ids], sampling, session, fields, request)
         if sampled is None:
             return Response(status_code=499)

@@ -35,12 +35,6 @@ class TextCodec:
         self.eos_ids = frozenset(eos)
         """The tokens that end a reply unless `ignore_eos` (the tokenizer's and the generation config's, as vLLM's)."""
 
-    def stream_stop_ids(self, stop_token_ids: list[int], ignore_eos: bool, include_stop: bool) -> frozenset[int]:
-        """The tokens a stream holds back the text of until the next one comes: each may end the reply, whose
-        text then leaves it out (vLLM's detokenizer does; `include_stop` keeps it)."""
-        if include_stop:
-            return frozenset()
-        return frozenset(stop_token_ids) | (frozenset() if ignore_eos else self.eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool, field: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
@@ -106,12 +100,14 @@ class StreamedText:
     """One choice's text as its tokens arrive: each `add` gives what may be sent now, never a stop string or the
     start of one, nor half a character; `rest` gives what the finished text adds to what was sent."""
 
-    def __init__(self, codec: TextCodec, stops: list[str], skip_special_tokens: bool,
-                 stop_ids: frozenset[int] = frozenset()):
+    def __init__(self, codec: TextCodec, stops: list[str], skip_special_tokens: bool, stop_token_ids: list[int],
+                 ignore_eos: bool, include_stop: bool):
         self.codec, self.stops, self.skip = codec, [s for s in stops if s], skip_special_tokens
         self.hold_back = max(map(len, self.stops), default=1) - 1
-        self.stop_ids = stop_ids
-        """`TextCodec.stream_stop_ids`: a last token among them is not shown until another follows it."""
+        self.stop_ids = frozenset() if include_stop else \
+            frozenset(stop_token_ids) | (frozenset() if ignore_eos else codec.eos_ids)
+        """Tokens that may end the reply, whose text it then leaves out (vLLM's detokenizer does; `include_stop`
+        keeps it): a last token among them is not shown until another follows it."""
         self.ids: list[int] = []
         self.sent = ""
 
