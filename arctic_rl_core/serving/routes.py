@@ -31,6 +31,7 @@ from arctic_rl_core.errors import ArcticRLError, InvalidRequest, NotFound
 from arctic_rl_core.samplers.engine_metrics import served_as
 from arctic_rl_core.serving.coalesce import Coalescer
 from arctic_rl_core.serving.constraints import check_tools, forced_calls, tool_schema
+from arctic_rl_core.serving.handoff import Handoff
 from arctic_rl_core.serving.pause import Aborted, ClientGone, PauseGate, PauseMode
 from arctic_rl_core.serving.protocol import (
     ChatCompletionRequest,
@@ -104,6 +105,14 @@ class Serving:
     _coalescer: tuple[Any, Coalescer] | None = None
     _callers: ThreadPoolExecutor | None = None
     _direct_calls: int = 0
+    _handoff: Handoff | None = None
+
+    def handoff(self) -> Handoff:
+        """The running event loop's: streams' tokens from the engine's thread."""
+        loop = asyncio.get_running_loop()
+        if self._handoff is None or self._handoff.loop is not loop:
+            self._handoff = Handoff(loop)
+        return self._handoff
 
     def codec(self, api) -> TextCodec:
         if self._codec is None or self._codec[0] is not api:
@@ -251,17 +260,16 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         A client that disconnects mid-stream (Starlette then cancels these events) cancels the call in the sampler;
         a session records each choice's tokens up to the last piece the client was sent, marked cancelled."""
         check(api, prompts, sampling, fields)
-        loop = asyncio.get_running_loop()
+        handoff = serving.handoff()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = Cancellation()
 
         def on_tokens(prompt: int, sample: int, token_ids: list[int], logprobs: list[float], tops, ranks) -> None:
             # on the engine's thread: handed to the event loop
-            loop.call_soon_threadsafe(pieces.put_nowait,
-                                      (prompt * sampling.n + sample, token_ids, logprobs, tops, ranks))
+            handoff.put(pieces, (prompt * sampling.n + sample, token_ids, logprobs, tops, ranks))
 
         work = asyncio.ensure_future(sample(api, route, prompts, sampling, session, fields, request, on_tokens, cancel))
-        work.add_done_callback(lambda _: loop.call_soon_threadsafe(pieces.put_nowait, None))  # after every piece
+        work.add_done_callback(lambda _: handoff.put(pieces, None))  # after every piece
 
         async def events():
             text_of: dict[int, StreamedText] = {}

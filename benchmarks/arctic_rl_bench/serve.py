@@ -92,7 +92,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="times each measurement runs, medians reported (default 5; --vs-vllm: per round, default 3)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--vs-vllm", action="store_true",
                    help="against `vllm serve` with the same engine arguments (the options below; the ones above "
@@ -112,7 +113,7 @@ def main(args) -> int:
         from arctic_rl_bench import serve_vs_vllm
 
         return serve_vs_vllm.main(args)
-    result = run(args.prompts, args.prompt_len, args.max_tokens, args.repeats)
+    result = run(args.prompts, args.prompt_len, args.max_tokens, args.repeats or 5)
     if args.json:
         print(json.dumps(result))
         return 0
