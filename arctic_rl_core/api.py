@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from functools import cached_property
 
 from arctic_rl_core.types import (
+    AdamSettings,
     CheckpointInfo,
     Completion,
     Episode,
@@ -66,8 +67,10 @@ class TrainingAPI(ABC):
         """Drop `model`'s gradients accumulated since its last step (a failed `fwd_bwd` already leaves none of its own)."""
 
     @abstractmethod
-    def step(self, learning_rate: float | None = None, *, model: str = "policy") -> StepResult:
-        """Apply `model`'s accumulated gradients with its optimizer."""
+    def step(self, learning_rate: float | None = None, *, adam: AdamSettings | None = None,
+             model: str = "policy") -> StepResult:
+        """Apply `model`'s accumulated gradients with its optimizer, with this step's AdamW settings `adam` where
+        given (the job's otherwise)."""
 
     @abstractmethod
     def sync_weights(self) -> int:

@@ -24,6 +24,7 @@ from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.validation import parse
 from arctic_rl_core.types import (
+    AdamSettings,
     CheckpointInfo,
     Completion,
     Episode,
@@ -394,18 +395,21 @@ class InProcessBackend(TrainingAPI):
             self.engine.discard_gradients()
             self._accumulated.clear()
 
-    def step(self, learning_rate: float | None = None, *, model: str = "policy") -> StepResult:
+    def step(self, learning_rate: float | None = None, *, adam: AdamSettings | dict | None = None,
+             model: str = "policy") -> StepResult:
         if learning_rate is not None and not (
                 isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate)
                 and 0 <= learning_rate <= MAX_LEARNING_RATE):
             raise InvalidRequest("learning_rate", f"must be in [0, {MAX_LEARNING_RATE}], got {learning_rate!r}")
+        if adam is not None:
+            adam = parse(AdamSettings, adam, "adam")
         if model == "critic":
             critic = self._critic_engine("model")
             with self._critic_lock:
                 if not critic.has_gradients:
                     raise InvalidRequest("step", "no critic gradients accumulated since its last step; call fwd_bwd "
                                                  "with model='critic' first")
-                grad_norm, lr = critic.optimizer_step(learning_rate)
+                grad_norm, lr = critic.optimizer_step(learning_rate, adam)
                 self._critic_accumulated.clear()
             return StepResult(step=critic.steps, grad_norm=grad_norm, learning_rate=lr)
         if model != "policy":
@@ -414,7 +418,7 @@ class InProcessBackend(TrainingAPI):
             if not self.engine.has_gradients:
                 raise InvalidRequest("step", "no gradients accumulated since the last step; call fwd_bwd first")
             with self._weights_lock, self._sampler_asleep():
-                grad_norm, lr = self.engine.optimizer_step(learning_rate)
+                grad_norm, lr = self.engine.optimizer_step(learning_rate, adam)
             self._accumulated.clear()
         self.learning_rate = lr
         return StepResult(step=self.engine.steps, grad_norm=grad_norm, learning_rate=lr)

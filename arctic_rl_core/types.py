@@ -208,9 +208,28 @@ class FwdBwdResult(_Strict):
     """With `model="critic"`: per sequence, each response token's value from the same forward."""
 
 
+MAX_WEIGHT_DECAY = 100.0
+"""Far above any weight decay in use (AdamW's are 0 to 0.1)."""
+
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+class AdamSettings(_Strict):
+    """One optimizer step's AdamW settings, as Tinker's `AdamParams` come with every step; a field left out is the
+    job's (`engine.betas`, `eps`, `weight_decay`, `grad_clip`). Set before each step: nothing carries over to the
+    next, and a step without them is the job's."""
+
+    betas: tuple[_Beta, _Beta] | None = None
+    eps: float | None = Field(default=None, gt=0, le=1)
+    weight_decay: float | None = Field(default=None, ge=0, le=MAX_WEIGHT_DECAY)
+    grad_clip: float | None = Field(default=None, ge=0)
+    """The gradients' largest global norm; 0 clips nothing."""
+
+
 class StepRequest(_Strict):
     learning_rate: float | None = Field(default=None, ge=0, le=MAX_LEARNING_RATE)
     """0 is a step that moves no weight but advances the optimizer's state (a warm-up schedule's first step)."""
+    adam: AdamSettings | None = None
     model: Role = "policy"
 
 

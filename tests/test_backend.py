@@ -58,6 +58,46 @@ def test_a_step_at_learning_rate_zero_moves_no_weight_but_counts(make_backend):
     assert all(torch.equal(before[n], w) for n, w in weights(backend).items())
 
 
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_steps_adam_settings_train_as_an_optimizer_built_with_them_and_carry_over_to_no_other_step(make_backend,
+                                                                                                  stage):
+    """Tinker's AdamParams come with every step: betas, eps, weight decay and clipping given to a step train as
+    torch's AdamW built with them (the job's optimizer is that AdamW); the next step without them is the job's."""
+    from arctic_rl_core.types import AdamSettings
+
+    given = dict(betas=(0.5, 0.8), eps=1e-3, weight_decay=0.3, grad_clip=0.05)
+    built = make_backend(zero_stage=stage, betas=list(given["betas"]), eps=given["eps"],
+                         weight_decay=given["weight_decay"], grad_clip=given["grad_clip"])
+    per_call = make_backend(zero_stage=stage)  # the job's: betas 0.9/0.999, eps 1e-8, no decay, clip 1.0
+    job = make_backend(zero_stage=stage)
+    for backend, adam in ((built, None), (per_call, AdamSettings(**given)), (job, None)):
+        backend.fwd_bwd(grpo_batch(), "grpo")
+        backend.step(learning_rate=1e-2, adam=adam)
+    assert all(torch.allclose(built_w, w, rtol=1e-6, atol=1e-9)
+               for built_w, w in zip(weights(built).values(), weights(per_call).values()))
+    assert not all(torch.allclose(job_w, w, rtol=1e-6, atol=1e-9)
+                   for job_w, w in zip(weights(job).values(), weights(per_call).values()))
+    # The next step without them is the job's.
+    per_call.fwd_bwd(grpo_batch(), "grpo")
+    per_call.step(learning_rate=1e-2)
+    groups = per_call.engine.engine.optimizer.param_groups
+    assert all(g["betas"] == (0.9, 0.999) and g["eps"] == 1e-8 and g["weight_decay"] == 0.0 for g in groups)
+    assert per_call.engine.engine.gradient_clipping() == 1.0
+
+
+@pytest.mark.parametrize("field, value", [("betas", (0.9, 1.0)), ("betas", (-0.1, 0.9)), ("eps", -1e-8),
+                                          ("eps", float("nan")), ("weight_decay", -0.1),
+                                          ("weight_decay", float("inf")), ("grad_clip", -1.0)])
+def test_bad_adam_settings_are_refused_by_field_and_change_nothing(make_backend, field, value):
+    backend = make_backend()
+    backend.fwd_bwd(grpo_batch(), "grpo")
+    digest = backend.state_digest()
+    with pytest.raises(InvalidRequest, match=rf"adam\.{field}"):
+        backend.step(learning_rate=1e-2, adam={field: value})
+    assert backend.state_digest() == digest and backend.engine.has_gradients  # the step can still be taken
+    assert backend.step(learning_rate=1e-2).step == 1
+
+
 def update(backend, before):
     after = weights(backend)
     return torch.cat([(after[n] - before[n]).flatten() for n in before])

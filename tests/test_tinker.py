@@ -277,9 +277,24 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
             tc.forward_backward(data[:1], "ppo").result()
         with pytest.raises(tinker.BadRequestError, match="loss_fn_config.clip_low_threshold"):
             tc.forward_backward(data[:1], "ppo", {"clip_low_threshold": 1.5}).result()
-        with pytest.raises(tinker.BadRequestError, match="adam_params.beta2"):
-            tc.optim_step(types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)).result()
         assert arctic.state_digest() == digest
+        tc.forward_backward(data, "cross_entropy").result()
+        digest = arctic.state_digest()
+        # NaN and infinities reach the server as null (the SDK's JSON): refused, never a step at the last rate.
+        for field, params in (("learning_rate", dict(learning_rate=float("nan"))),
+                              ("learning_rate", dict(learning_rate=float("inf"))),
+                              ("learning_rate", dict(learning_rate=-1e-3)),
+                              ("beta2", dict(learning_rate=1e-2, beta2=1.0)),
+                              ("beta1", dict(learning_rate=1e-2, beta1=-0.1)),
+                              ("eps", dict(learning_rate=1e-2, eps=-1e-8)),
+                              ("weight_decay", dict(learning_rate=1e-2, weight_decay=-0.1)),
+                              ("grad_clip_norm", dict(learning_rate=1e-2, grad_clip_norm=float("nan")))):
+            with pytest.raises(tinker.BadRequestError, match=f"adam_params.{field}"):
+                tc.optim_step(types.AdamParams(**params)).result()
+        assert arctic.state_digest() == digest
+        # The SDK's own defaults (eps 1e-12, betas 0.9/0.95), as the Tinker quickstart sends them, are applied.
+        assert tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["learning_rate"] == 1e-2
+        assert arctic.state_digest() != digest
         # The refused calls took their seq_id turns: the next call runs (it waited for none of them).
         assert tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0
         # A second tenant cannot take the model while this one trains it.

@@ -163,8 +163,9 @@ def test_streamed_replies_arrive_as_the_engine_samples_them(tiny_model):
 
 
 @pytest.mark.scenario
-def test_a_client_that_goes_away_stops_its_request_and_the_episode_keeps_what_it_received(tiny_model):
-    result = run_scenario("cancelled", tiny_model)
+@pytest.mark.parametrize("placement", ["in_process", "subprocess"])
+def test_a_client_that_goes_away_stops_its_request_and_the_episode_keeps_what_it_received(tiny_model, placement):
+    result = run_scenario("cancelled", tiny_model, placement)
     # A stream closed after 3 pieces: the engine stopped within some steps (a token each), not at 1,500 tokens (4 in
     # all here; the bound leaves a loaded machine's delay in noticing the close).
     assert result["stream_received"] == 3 and result["stream_sampled"] - 3 < 100, result
@@ -174,6 +175,7 @@ def test_a_client_that_goes_away_stops_its_request_and_the_episode_keeps_what_it
     assert result["timeout_turn"] == [True, []], result
     assert result["bystander"] == ["length", 300] and result["engine_idle"], result
     assert result["cancelled"] == 2, result
+    assert result["gauge_idle_s"] < 5, result  # /metrics: nothing running once the engine stopped (not the last step's)
 
 
 @pytest.mark.scenario

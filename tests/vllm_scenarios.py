@@ -428,10 +428,10 @@ def _turns(api, session: str) -> list:
         return []
 
 
-def cancelled(model_dir):
+def cancelled(model_dir, placement="in_process"):
     """A client that goes away stops its request in the engine, as `vllm serve` does: a stream closed after a few
     pieces, and a request whose client timed out. The episode keeps what the client received, marked cancelled;
-    another request in flight goes on to its end."""
+    another request in flight goes on to its end. Then /metrics reads nothing running, as `vllm serve`'s does."""
     import tempfile
 
     import httpx
@@ -443,7 +443,7 @@ def cancelled(model_dir):
 
     # The same tiny model with room for replies longer than a client waits for.
     model_dir = make_tiny_model("qwen3", tempfile.mkdtemp(prefix="arctic-rl-cancel-"), max_positions=2048)
-    api = backend(model_dir)
+    api = backend(model_dir, placement=placement)
     result = {}
     with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda config: api) as url:
         body = {"model": model_dir, "prompt": [5, 6, 7, 8], "max_tokens": 1500, "ignore_eos": True,
@@ -496,6 +496,10 @@ def cancelled(model_dir):
         [choice] = other["reply"]["choices"]
         result["bystander"] = [choice["finish_reason"], len(choice["token_ids"])]
         result["engine_idle"] = api.sampler.requests_in_flight() == 0
+        idle = time.perf_counter()
+        # The last request to end was cancelled (the bystander's 300 tokens end during the stream's part).
+        _wait_until(lambda: engine_gauges(url)[0].get("vllm:num_requests_running") == 0, timeout_s=30)
+        result["gauge_idle_s"] = time.perf_counter() - idle
         result["cancelled"] = httpx.get(f"{url}/v1/status", timeout=30).json()["serving"]["cancelled"]
     return result
 

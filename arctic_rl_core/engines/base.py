@@ -15,6 +15,7 @@ import torch
 from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.losses.registry import Registered
 from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
+from arctic_rl_core.types import AdamSettings
 
 
 class TrainingEngine(ABC):
@@ -48,8 +49,9 @@ class TrainingEngine(ABC):
         """Drop all gradients accumulated since the last step."""
 
     @abstractmethod
-    def optimizer_step(self, learning_rate: float | None) -> tuple[float, float]:
-        """Apply accumulated gradients; return (grad_norm, learning_rate). Clears gradients."""
+    def optimizer_step(self, learning_rate: float | None, adam: AdamSettings | None = None) -> tuple[float, float]:
+        """Apply accumulated gradients with this step's AdamW settings (the job's where `adam` leaves them out);
+        return (grad_norm, learning_rate). Clears gradients."""
 
     @property
     @abstractmethod

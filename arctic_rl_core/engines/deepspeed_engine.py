@@ -33,6 +33,7 @@ from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
 from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape, AdapterShaper
 from arctic_rl_core.models.rope_scaling import context_window, model_config
+from arctic_rl_core.types import AdamSettings
 from arctic_rl_kernels.split_attention import select_ops
 
 _CHECKPOINT_TAG = "state"
@@ -275,11 +276,27 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine.set_gradient_accumulation_boundary(False)
         self._has_gradients = False
 
+    def _set_adam(self, adam: AdamSettings) -> None:
+        """This step's betas, eps and weight decay on every parameter group (the ZeRO optimizers' groups are their
+        inner AdamW's), and its clipping where this engine's DeepSpeed reads it: the engine's configuration (stage 0)
+        and the ZeRO optimizer's own copy (stages 1-3)."""
+        ec = self.config
+        betas = tuple(adam.betas) if adam.betas is not None else tuple(ec.betas)
+        eps = ec.eps if adam.eps is None else adam.eps
+        weight_decay = ec.weight_decay if adam.weight_decay is None else adam.weight_decay
+        clip = (ec.grad_clip or 0.0) if adam.grad_clip is None else adam.grad_clip
+        for group in self.engine.optimizer.param_groups:
+            group.update(betas=betas, eps=eps, weight_decay=weight_decay)
+        self.engine._config.gradient_clipping = clip
+        if hasattr(self.engine.optimizer, "clip_grad"):
+            self.engine.optimizer.clip_grad = clip
+
     def _grad_norm_stage0(self) -> float:
         grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
         return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
 
-    def optimizer_step(self, learning_rate):
+    def optimizer_step(self, learning_rate, adam=None):
+        self._set_adam(adam or AdamSettings())
         if learning_rate is not None:
             for group in self.engine.optimizer.param_groups:
                 group["lr"] = learning_rate

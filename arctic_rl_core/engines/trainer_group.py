@@ -72,8 +72,8 @@ class TrainerRank:
     def discard_gradients(self) -> None:
         self.engine.discard_gradients()
 
-    def optimizer_step(self, learning_rate):
-        return self.engine.optimizer_step(learning_rate)
+    def optimizer_step(self, learning_rate, adam):
+        return self.engine.optimizer_step(learning_rate, adam)
 
     def counters(self) -> tuple[bool, int]:
         return self.engine.has_gradients, self.engine.steps
@@ -296,8 +296,8 @@ class TrainerGroup(TrainingEngine):
     def discard_gradients(self) -> None:
         self._all("discard_gradients")
 
-    def optimizer_step(self, learning_rate):
-        return self._all("optimizer_step", learning_rate)[0]
+    def optimizer_step(self, learning_rate, adam=None):
+        return self._all("optimizer_step", learning_rate, adam)[0]
 
     @property
     def has_gradients(self) -> bool:

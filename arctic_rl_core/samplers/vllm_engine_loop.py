@@ -96,6 +96,8 @@ class EngineLoop:
         self._deferred: list[tuple] = []  # calls submitted while held: added at the release
         self._core_outputs: queue.Queue | None = None
         """The engine core's output queue, where that core is a process of its own (vLLM's `SyncMPClient`)."""
+        self._settle = False
+        """Requests were aborted: step once more, though none is left."""
         built: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, built), name=name, daemon=True)
         self._thread.start()
@@ -208,8 +210,12 @@ class EngineLoop:
         self._core_outputs = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
         built.set_result(llm)
         while True:
-            # Idle (or held): wait for work. Running: take whatever arrived, then one engine step.
-            stepping = engine.has_unfinished_requests()
+            # Idle (or held): wait for work. Running: take whatever arrived, then one engine step. A core in a process
+            # of its own is always waited on, as `vllm serve` waits on it: what it sends once requests ended (an
+            # aborted request's batch freed, and the stats of that step, which vLLM's gauges read) is taken when it
+            # comes; a command's wake-up ends the wait. A core in this process steps only when asked: one step more
+            # after an abort frees the batch and records those stats.
+            stepping = engine.has_unfinished_requests() or self._settle or self._core_outputs is not None
             try:
                 command = self._commands.get(block=not stepping)
             except queue.Empty:
@@ -222,7 +228,8 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
-            if engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() or self._settle or self._core_outputs is not None:
+                self._settle = False
                 try:
                     outputs = engine.step()
                 except Exception as err:  # noqa: BLE001 -- a broken engine: every caller hears of it
@@ -318,6 +325,7 @@ class EngineLoop:
     def _abort(self, engine) -> None:
         if self._requests:
             engine.abort_request(list(self._requests))
+            self._settle = True
         cut = [(r.call, s) for r in self._requests.values() for s in r.samples]
         cut += [(r.call, r.samples[i]) for r, i in self._suspended]
         self._requests.clear()
@@ -329,6 +337,7 @@ class EngineLoop:
         ended = [request_id for request_id, r in self._requests.items() if r.call.future is future]
         if ended:
             engine.abort_request(ended)
+            self._settle = True
         cut = [(r.call, s) for r in map(self._requests.pop, ended) for s in r.samples]
         cut += [(r.call, r.samples[i]) for r, i in self._suspended if r.call.future is future]
         self._suspended = [(r, i) for r, i in self._suspended if r.call.future is not future]
@@ -347,6 +356,7 @@ class EngineLoop:
             # Outputs still on their way for these (an engine core in its own process runs ahead) are dropped
             # by vLLM: what a sample keeps is what arrived before the weights change.
             self._engine.abort_request(list(self._requests))
+            self._settle = True
         for request in self._requests.values():
             self._suspended += [(request, i) for i, s in enumerate(request.samples) if s.finish_reason is None]
         self._requests.clear()

@@ -38,7 +38,7 @@ from arctic_rl_core.tinker import wire
 from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
 from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
 from arctic_rl_core.tinker.tenants import JOB, Residency, tenant_of
-from arctic_rl_core.types import MAX_TOP_LOGPROBS, LossSpec, SamplingParams, Sequence
+from arctic_rl_core.types import MAX_LEARNING_RATE, MAX_TOP_LOGPROBS, AdamSettings, LossSpec, SamplingParams, Sequence
 from arctic_rl_core.validation import parse
 
 PREFIX = TINKER_PREFIX.rstrip("/")
@@ -58,6 +58,11 @@ _TINKER_PATH = re.compile(r"^tinker://(?P<model>[0-9a-f]+:train:[0-9]+)/(?P<kind
 # Arctic RL field names in a backend refusal, as the Tinker request spells them.
 _FIELD_NAMES = {"advantages": "loss_fn_inputs.advantages", "behaviour_logprobs": "loss_fn_inputs.logprobs",
                 "prompt_ids": "model_input", "response_ids": "model_input"}
+
+
+ADAM_PARAMS = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+               "grad_clip_norm": 0.0}
+"""Tinker's `AdamParams` and their defaults (SDK 0.38), which a field the request leaves out takes."""
 
 
 @dataclass
@@ -494,25 +499,40 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             loss, _ = entry.fn({"logprobs": flat}, batch_loss_inputs(sequences, version), config)
         return float(loss)
 
+    def adam_settings(params) -> tuple[float, AdamSettings]:
+        """Tinker's `AdamParams`, applied to this step as Tinker applies them: every field. The SDK sends NaN and
+        infinities as null, so null is refused where a number is required, as every value out of range is."""
+        if not isinstance(params, dict):
+            raise InvalidRequest("adam_params", "must be the step's AdamParams")
+        for key in ADAM_PARAMS:
+            if key in params and (isinstance(params[key], bool) or not isinstance(params[key], (int, float))):
+                raise InvalidRequest(f"adam_params.{key}", f"must be a number, got {params[key]!r} (the SDK sends "
+                                     "NaN and infinities as null)")
+        unknown = sorted(set(params) - set(ADAM_PARAMS))
+        if unknown:
+            raise InvalidRequest(f"adam_params.{unknown[0]}", f"is not a field of AdamParams ({', '.join(ADAM_PARAMS)})")
+        learning_rate = params.get("learning_rate", ADAM_PARAMS["learning_rate"])
+        if not 0 <= learning_rate <= MAX_LEARNING_RATE:
+            raise InvalidRequest("adam_params.learning_rate", f"must be in [0, {MAX_LEARNING_RATE}], got {learning_rate}")
+        given = {**ADAM_PARAMS, **params}
+        try:
+            return learning_rate, parse(AdamSettings, {
+                "betas": [given["beta1"], given["beta2"]], "eps": given["eps"], "weight_decay": given["weight_decay"],
+                "grad_clip": given["grad_clip_norm"]}, "adam")
+        except InvalidRequest as err:
+            field = {"adam.betas[0]": "beta1", "adam.betas[1]": "beta2", "adam.grad_clip": "grad_clip_norm"}.get(
+                err.field, err.field.removeprefix("adam."))
+            raise InvalidRequest(f"adam_params.{field}", err.message) from None
+
     @training_call("optim_step")
     def optim_step(body: dict, who: str) -> dict:
         api, model = api_of(), owned_model(body.get("model_id"), who)
         if "optimizer_params" in body:
             raise InvalidRequest("optimizer_params", "this server's optimizer is AdamW: send adam_params")
-        adam = body.get("adam_params") or {}
-        engine = api.config.engine
-        # What the job's optimizer was built with; per-call values other than these are refused, never ignored.
-        fixed = {"beta1": engine.betas[0], "beta2": engine.betas[1], "eps": engine.eps,
-                 "weight_decay": engine.weight_decay, "grad_clip_norm": engine.grad_clip or 0.0}
-        for key, value in fixed.items():
-            given = adam.get(key, value)
-            if not isinstance(given, (int, float)) or not np.isclose(given, value, rtol=1e-6, atol=0):
-                raise InvalidRequest(f"adam_params.{key}", f"is {given!r}; this job's optimizer has {key} = {value} "
-                                     "(engine.betas, eps, weight_decay, grad_clip in the job's configuration)")
-        learning_rate = adam.get("learning_rate")
+        learning_rate, adam = adam_settings(body.get("adam_params"))
 
         def work():
-            return api.step(learning_rate)
+            return api.step(learning_rate, adam=adam)
 
         def encode(result):
             return JSONResponse({"type": "optim_step", "metrics": {
