@@ -44,6 +44,8 @@ class ScriptedEngine:
             self.running.pop(request_id, None)
 
     def step(self):
+        if not self.running:  # the step after an abort frees the batch: vLLM's core in process returns at once
+            return []
         if not self.free_running:
             self.step_gate.acquire()
         self.threads.add(threading.current_thread().name)
