@@ -210,14 +210,9 @@ class EngineLoop:
         self._core_outputs = getattr(getattr(engine, "engine_core", None), "outputs_queue", None)
         built.set_result(llm)
         while True:
-            # Idle (or held): wait for work. Running: take whatever arrived, then one engine step. A core in a process
-            # of its own is always waited on, as `vllm serve` waits on it: what it sends once requests ended (an
-            # aborted request's batch freed, and the stats of that step, which vLLM's gauges read) is taken when it
-            # comes; a command's wake-up ends the wait. A core in this process steps only when asked: one step more
-            # after an abort frees the batch and records those stats.
-            stepping = engine.has_unfinished_requests() or self._settle or self._core_outputs is not None
+            # Idle (or held): wait for work. Running: take whatever arrived, then one engine step.
             try:
-                command = self._commands.get(block=not stepping)
+                command = self._commands.get(block=not self._stepping(engine))
             except queue.Empty:
                 command = None
             while command is not None:
@@ -228,7 +223,7 @@ class EngineLoop:
                     command = self._commands.get_nowait()
                 except queue.Empty:
                     command = None
-            if engine.has_unfinished_requests() or self._settle or self._core_outputs is not None:
+            if self._stepping(engine):
                 self._settle = False
                 try:
                     outputs = engine.step()
@@ -236,6 +231,14 @@ class EngineLoop:
                     return self._shutdown(ArcticRLError(f"vLLM's engine step failed ({type(err).__name__}: {err})"))
                 for output in outputs:
                     self._take(output)
+
+    def _stepping(self, engine) -> bool:
+        """Whether the loop steps (else it waits for a command). A core in a process of its own is always waited on,
+        as `vllm serve` waits on it: what it sends once requests ended (an aborted request's batch freed, and the
+        stats of that step, which vLLM's gauges read) is taken when it comes, and a command's wake-up ends the wait.
+        A core in this process steps only when asked: one step more after an abort frees the batch and records those
+        stats."""
+        return engine.has_unfinished_requests() or self._settle or self._core_outputs is not None
 
     def _shutdown(self, err: Exception) -> None:
         """The loop ends: calls in flight and commands not yet run fail with `err`; later ones are refused."""
