@@ -15,6 +15,7 @@ completions as turns of that episode, which the training API's `episode` call re
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from importlib import metadata
 import time
@@ -730,6 +731,7 @@ def _fingerprint(api) -> str:
     return f"arctic-rl-{_version('arctic-rl')}-v{api.weight_version}"
 
 
+@functools.cache  # an installed version does not change while the server runs; reading it costs a millisecond
 def _version(distribution: str) -> str | None:
     try:
         return metadata.version(distribution)
