@@ -292,6 +292,10 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
             with pytest.raises(tinker.BadRequestError, match=f"adam_params.{field}"):
                 tc.optim_step(types.AdamParams(**params)).result()
         assert arctic.state_digest() == digest
+        # A call this server cannot serve is refused in its turn: the calls numbered after it still run.
+        with pytest.raises(tinker.BadRequestError, match="save_weights_external"):
+            tc.save_weights_external("exported").result()
+        assert arctic.state_digest() == digest
         # The SDK's own defaults (eps 1e-12, betas 0.9/0.95), as the Tinker quickstart sends them, are applied.
         assert tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["learning_rate"] == 1e-2
         assert arctic.state_digest() != digest

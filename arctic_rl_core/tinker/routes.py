@@ -637,6 +637,13 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
         return ordered(model, body.get("seq_id"), encode, work)
 
+    @training_call("save_weights_external")
+    def save_weights_external(body: dict, who: str) -> dict:
+        """Refused, in its seq_id's turn: the SDK numbers the calls after it, which must not wait for it."""
+        owned_model(body.get("model_id"), who)
+        raise InvalidRequest("save_weights_external", "this server has no external-weights storage: save_state keeps "
+                             "a checkpoint on the server's disk, save_weights_for_sampler an adapter or weights to sample")
+
     @training_call("load_weights")
     def load_weights(body: dict, who: str) -> dict:
         api = api_of()
