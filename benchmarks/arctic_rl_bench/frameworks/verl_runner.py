@@ -1,0 +1,148 @@
+"""One column of `bench frameworks` for verl 0.9.1: its documented GRPO (`python -m verl.trainer.main_ppo`) for
+S steps, alone or through Arctic RL, in the environment of that column; prints one JSON line per run.
+
+Run by path with that environment's interpreter (the orchestrator does), never imported by the main one:
+`alone` runs in an environment with verl and vLLM and nothing of Arctic RL; `arctic` in verl's compat
+environment (verl + the adapter), against a server the orchestrator started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from workload import SEED, shape_from_json, write_dataset  # noqa: E402
+
+PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
+METRICS = {"pg_loss": "actor/pg_loss", "grad_norm": "actor/grad_norm", "reward": "critic/score/mean",
+           "response_length": "response_length/mean"}
+
+FAST_POLL = '''
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+
+class FastPollReplayBuffer(ReplayBuffer):
+    """verl's replay buffer polls for finished rollouts every 2 s, which rounds every gen phase up to the next
+    poll: both columns poll every 0.1 s."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs, poll_interval=0.1)
+'''
+
+
+def algorithm(shape, steps: int, folder: str, model: str) -> list[str]:
+    """The settings both columns share: one GRPO algorithm, one update per step, no KL, fp32."""
+    return [
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={folder}/train.parquet", f"data.val_files={folder}/val.parquet",
+        f"reward.custom_reward_function.path={folder}/reward.py",
+        "algorithm.adv_estimator=grpo", f"actor_rollout_ref.rollout.n={shape.samples_per_prompt}",
+        f"data.train_batch_size={shape.prompts_per_step}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={shape.prompts_per_step}",
+        f"data.max_prompt_length={shape.prompt_tokens + 16}", f"data.max_response_length={shape.response_tokens}",
+        "data.shuffle=False", f"data.seed={SEED}", "actor_rollout_ref.actor.use_kl_loss=False",
+        "algorithm.use_kl_in_reward=False", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.rollout.temperature=1.0",
+        f"trainer.total_training_steps={steps}", "trainer.val_before_train=False", "trainer.test_freq=-1",
+        "trainer.logger=[console]", f"trainer.default_local_dir={folder}/checkpoints", "trainer.save_freq=-1",
+        f"trainer.v1.sampler.custom_sampler.path={folder}/fast_poll.py",
+        "trainer.v1.sampler.custom_sampler.name=FastPollReplayBuffer",
+        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "trainer.device=cpu",
+        "data.dataloader_num_workers=0", "actor_rollout_ref.rollout.agent.num_workers=1", "reward.num_workers=1",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        "ray_kwargs.ray_init.num_cpus=16", "+ray_kwargs.ray_init.num_gpus=1",
+    ]
+
+
+def through_arctic(url: str) -> list[str]:
+    return ["--config-name", "arctic_ppo_trainer", "trainer.backend=arctic-rl", f"actor_rollout_ref.actor.arctic.url={url}"]
+
+
+def parse(log: str) -> list[dict]:
+    """verl's console logger writes one `step:N - key:value - ...` line per step."""
+    steps = []
+    for line in log.splitlines():
+        match = re.search(r"step:(\d+) - (.*)", line)
+        if not match or "timing_s/step" not in line:
+            continue
+        values = dict(re.findall(r"([\w/@.\-]+):(-?[0-9.eE+\-]+|nan|inf)(?: - |$)", match.group(2)))
+        row = {"step": int(match.group(1)),
+               "seconds": {phase: float(values[f"timing_s/{phase}"]) for phase in PHASES if f"timing_s/{phase}" in values}}
+        row.update({name: float(values[key]) for name, key in METRICS.items() if key in values})
+        steps.append(row)
+    return steps
+
+
+def backend_shares(trace_path: str, steps: list[dict]) -> None:
+    """Through Arctic RL, the adapter's trace (arctic_rl_verl.trace) gives each step the backend's share of its
+    phases: generation from the first request reaching the rollout server to the last answer; for log-probs and
+    the update, the engine's client calls (one of each per step at one mini-batch a step)."""
+    if not os.path.exists(trace_path):
+        return
+    with open(trace_path) as f:
+        calls = [json.loads(line) for line in f]
+    spans: dict[int, list[float]] = {}
+    for call in calls:
+        if call["kind"] == "generate":
+            first, last = spans.get(call["global_steps"], (call["first_arrival"], call["answered"]))
+            spans[call["global_steps"]] = (min(first, call["first_arrival"]), max(last, call["answered"]))
+    engine = {kind: [c["call_s"] for c in calls if c["kind"] == kind] for kind in ("log_probs", "fwd_bwd")}
+    for i, row in enumerate(steps):
+        share = {}
+        if row["step"] in spans:
+            share["gen"] = spans[row["step"]][1] - spans[row["step"]][0]
+        for kind, phase in (("log_probs", "old_log_prob"), ("fwd_bwd", "update_actor")):
+            if len(engine[kind]) == len(steps):
+                share[phase] = engine[kind][i]
+        row["backend_seconds"] = share
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--column", choices=["alone", "arctic"], required=True)
+    parser.add_argument("--shape", required=True, help="workload.Shape as JSON")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--work", required=True, help="an empty folder for this run")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--url", help="the Arctic RL server (column arctic)")
+    parser.add_argument("--override", action="append", default=[], help="one more Hydra override (the tuning)")
+    args = parser.parse_args()
+
+    shape = shape_from_json(args.shape)
+    os.makedirs(args.work, exist_ok=True)
+    lengths = write_dataset(args.work, args.model, shape)
+    with open(os.path.join(args.work, "fast_poll.py"), "w") as f:
+        f.write(FAST_POLL)
+    head = through_arctic(args.url) if args.column == "arctic" else []
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *head, *algorithm(shape, args.steps, args.work, args.model),
+               *args.override]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0")
+    trace = os.path.join(args.work, "adapter-trace.jsonl")
+    if args.column == "arctic":
+        env["ARCTIC_RL_VERL_TRACE"] = trace
+    t0 = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=args.work)
+    wall = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(args.work, "verl.log"), "w") as f:
+        f.write(log)
+    steps = parse(log)
+    backend_shares(trace, steps)
+    result = {"framework": "verl", "column": args.column, "returncode": proc.returncode, "wall_s": wall,
+              "steps": steps, "command": command[1:], **lengths}
+    if proc.returncode != 0 or len(steps) < args.steps:
+        result["error"] = log[-4000:]
+    print(json.dumps(result), flush=True)
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`arctic-rl bench frameworks`: its workload, its runners' parsing of a framework's log, its summary's schema and
+arithmetic, a framework that cannot run reported with its reason. The bench itself runs minutes per column and is
+not run here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from arctic_rl_bench.frameworks import bench
+from arctic_rl_bench.frameworks.workload import SHAPES, Shape, user_message
+
+
+def _runner(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench.HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# One step's console line as verl 0.9.1 writes it (from a run through Arctic RL, shortened).
+VERL_LINE = ("\x1b[36m(TaskRunnerV1 pid=21810)\x1b[0m step:2 - global_seqlen/min:36377.0 - actor/entropy:6.28 - "
+             "actor/pg_loss:-0.0735 - actor/arctic/loss:-0.0736 - actor/grad_norm:0.781 - actor/lr:1e-05 - "
+             "critic/score/mean:0.53125 - response_length/mean:114.03 - timing_s/gen:8.19 - timing_s/old_log_prob:1.58 - "
+             "timing_s/update_actor:6.61 - timing_s/update_weights:0.0285 - timing_s/step:24.62 - perf/mfu:nan")
+
+
+def test_verl_runner_reads_each_steps_timings_loss_and_reward():
+    steps = _runner("verl_runner").parse("unrelated line\n" + VERL_LINE + "\nstep:3 - no timings here\n")
+    assert steps == [{"step": 2, "seconds": {"gen": 8.19, "old_log_prob": 1.58, "update_actor": 6.61,
+                                             "update_weights": 0.0285, "step": 24.62},
+                      "pg_loss": -0.0735, "grad_norm": 0.781, "reward": 0.53125, "response_length": 114.03}]
+
+
+def test_the_dedup_bound_counts_each_groups_prompt_once():
+    shape = Shape(prompts_per_step=4, samples_per_prompt=8, prompt_tokens=1000, response_tokens=125)
+    assert shape.dedup_bound() == pytest.approx(8 * 1125 / (1000 + 8 * 125))
+    assert SHAPES["prompt-heavy"].dedup_bound() > 4 > SHAPES["generation-heavy"].dedup_bound()
+
+
+def test_a_prompts_context_reaches_its_length_and_differs_per_prompt():
+    words = lambda text: len(text.split())  # noqa: E731 -- a stand-in tokenizer: one token per word
+    first, second = user_message(0, 300, words), user_message(1, 300, words)
+    assert 290 <= words(first) <= 300 and 290 <= words(second) <= 300
+    assert first != second and first.endswith("what is 0 plus 3?")
+    assert user_message(0, 300, words) == first  # the same data in every column and round
+
+
+def _run(seconds: dict, pg_loss: float = -0.07) -> dict:
+    """A runner's output: three steps, the first slower (a warm-up)."""
+    steps = [{"step": i + 1, "seconds": {p: v * (3 if i == 0 else 1) for p, v in seconds.items()},
+              "backend_seconds": {"old_log_prob": seconds["old_log_prob"] / 2},
+              "pg_loss": pg_loss, "grad_norm": 0.5, "reward": 0.25 * i} for i in range(3)]
+    return {"framework": "verl", "steps": steps}
+
+
+def test_the_summary_holds_medians_ratios_and_the_share_of_the_bound():
+    verl = bench.FRAMEWORKS["verl"]
+    runs = {"alone": [_run({"gen": 4.0, "old_log_prob": 8.0, "update_actor": 20.0, "update_weights": 1.0, "step": 33.0})],
+            "zorro-off": [_run({"gen": 2.0, "old_log_prob": 2.0, "update_actor": 4.0, "update_weights": 0.1, "step": 8.1})],
+            "zorro-on": [_run({"gen": 2.0, "old_log_prob": 1.0, "update_actor": 2.0, "update_weights": 0.1, "step": 5.1})]}
+    summary = bench.summarise(verl, "prompt-heavy", runs)
+    json.dumps(summary)  # the --json file holds it as it is
+    assert summary["seconds"]["alone"]["update_actor"] == 20.0  # the warm-up step is left out
+    assert summary["ratios"]["alone_over_zorro_off"]["old_log_prob"] == pytest.approx(4.0)
+    assert summary["ratios"]["zorro_off_over_on"]["gen"] == pytest.approx(1.0)
+    assert summary["ratios"]["zorro_off_over_on_update"] == pytest.approx(2.0)
+    bound = SHAPES["prompt-heavy"].dedup_bound()
+    assert summary["dedup_bound"] == bound
+    assert summary["zorro_fraction_of_bound"] == pytest.approx(2.0 / bound)
+    assert summary["first_step"]["alone"] == {"pg_loss": -0.07, "grad_norm": 0.5}
+    assert summary["reward_per_step"]["zorro-on"] == [[0.0, 0.25, 0.5]]
+    assert summary["errors"] == {"alone": [], "zorro-off": [], "zorro-on": []}
+    assert summary["backend_seconds"]["zorro-on"]["old_log_prob"] == 0.5  # alone has no backend
+    assert "alone" not in summary["backend_seconds"]
+    assert "| old_log_prob | 8.00 | 2.00 | 1.00 | 4.00x | 2.00x |" in bench.table(
+        {"frameworks": {"verl": {"shapes": {"prompt-heavy": summary}}}})
+
+
+def test_a_failed_column_is_reported_not_averaged():
+    verl = bench.FRAMEWORKS["verl"]
+    runs = {"alone": [{"error": "verl failed: out of memory"}],
+            "zorro-off": [_run({"gen": 2.0, "old_log_prob": 2.0, "update_actor": 4.0, "update_weights": 0.1, "step": 8.1})]}
+    summary = bench.summarise(verl, "prompt-heavy", runs)
+    assert summary["seconds"]["alone"]["gen"] is None
+    assert summary["ratios"]["alone_over_zorro_off"]["gen"] is None
+    assert summary["errors"]["alone"] == ["verl failed: out of memory"]
+
+
+def test_a_framework_that_cannot_run_here_is_skipped_with_its_reason(tmp_path):
+    result = bench.run(["skyrl", "primerl"], ["prompt-heavy"], list(bench.COLUMNS), rounds=1, steps=2,
+                       alone_overrides=[], work=tmp_path, log=lambda *_: None)
+    for name in ("skyrl", "primerl"):
+        assert result["frameworks"][name]["skipped"] == bench.FRAMEWORKS[name].not_run
+        assert "shapes" not in result["frameworks"][name]
+    assert "flash-attn" in result["frameworks"]["primerl"]["alone_not_run"]
+    assert "primerl: not run" in bench.table(result)
+
+
+def test_verl_runner_gives_each_step_the_backends_share_from_the_adapters_trace(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    records = [{"kind": "generate", "global_steps": 1, "first_arrival": 10.0, "answered": 12.0},
+               {"kind": "generate", "global_steps": 1, "first_arrival": 10.5, "answered": 13.0},
+               {"kind": "log_probs", "call_s": 0.7}, {"kind": "fwd_bwd", "call_s": 1.5},
+               {"kind": "generate", "global_steps": 2, "first_arrival": 20.0, "answered": 21.0},
+               {"kind": "log_probs", "call_s": 0.6}, {"kind": "fwd_bwd", "call_s": 1.4}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = [{"step": 1, "seconds": {}}, {"step": 2, "seconds": {}}]
+    _runner("verl_runner").backend_shares(str(trace), steps)
+    assert steps[0]["backend_seconds"] == {"gen": 3.0, "old_log_prob": 0.7, "update_actor": 1.5}
+    assert steps[1]["backend_seconds"] == {"gen": 1.0, "old_log_prob": 0.6, "update_actor": 1.4}
