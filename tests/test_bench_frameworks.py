@@ -14,7 +14,7 @@ from arctic_rl_bench.frameworks.workload import SHAPES, Shape, user_message
 
 
 def _runner(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench.HERE / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", bench.HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -114,3 +114,28 @@ def test_verl_runner_gives_each_step_the_backends_share_from_the_adapters_trace(
     _runner("verl_runner").backend_shares(str(trace), steps)
     assert steps[0]["backend_seconds"] == {"gen": 3.0, "old_log_prob": 0.7, "update_actor": 1.5}
     assert steps[1]["backend_seconds"] == {"gen": 1.0, "old_log_prob": 0.6, "update_actor": 1.4}
+
+
+def _alone_patches():
+    return _runner("alone/verl_alone_patches")
+
+
+def test_the_alone_patches_are_listed_with_why_and_timing_and_apply_once():
+    patches = _alone_patches()
+    assert patches.APPLIED == []  # imported without verl's hook naming it: nothing applied
+    rows = patches.listing()
+    assert [r["name"] for r in rows] == ["P1 cpu-platform", "P2 gloo-process-group", "P3 vllm-cpu-keep-linear-weight"]
+    assert all(r["why"] and r["timing"] for r in rows)
+    docs = (bench.ROOT / "docs" / "benchmarks.md").read_text()
+    assert all(r["name"] in docs for r in rows)  # the bench's documentation lists every one
+
+    calls = []
+    probe = patches.AlonePatch("P9 probe", why="a test", timing="none", needed=lambda: True,
+                               apply=lambda: calls.append("applied"))
+    assert patches.apply(probe) and patches.APPLIED == ["P9 probe"] and calls == ["applied"]
+    with pytest.raises(patches.AppliedTwice):
+        patches.apply(probe)
+    assert calls == ["applied"]
+    skipped = patches.AlonePatch("P8 not here", why="a test", timing="none", needed=lambda: False,
+                                 apply=lambda: calls.append("wrong"))
+    assert not patches.apply(skipped) and "P8 not here" not in patches.APPLIED and calls == ["applied"]

@@ -61,6 +61,41 @@ def algorithm(shape, steps: int, folder: str, model: str) -> list[str]:
     ]
 
 
+ALONE_PATCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone")
+
+
+def alone(shape, work: str, threads: int) -> tuple[list[str], dict]:
+    """verl's own FSDP actor and vLLM rollout on a CPU: the settings it needs to run here (each says why), then the
+    tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
+    that loads the runtime patches (alone/verl_alone_patches.py) in every process, Ray's workers included."""
+    ray_tmp = os.path.join(work, "ray")
+    os.makedirs(ray_tmp, exist_ok=True)
+    env = {"PYTHONPATH": ALONE_PATCHES, "VERL_USE_EXTERNAL_MODULES": "verl_alone_patches",
+           "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for cuda and npu only (engine lookup only)
+           "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
+    batch = shape.prompts_per_step * shape.samples_per_prompt
+    needed = [
+        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.strategy=fsdp2",  # FSDP1 refuses CPU modules
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # its default needs flash-attention,
+        "actor_rollout_ref.model.use_remove_padding=False",  # and so does padding removal
+        "actor_rollout_ref.actor.fsdp_config.dtype=float32", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.enforce_eager=True",  # vLLM-CPU: no graphs; no sleep mode
+        "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.1",  # on a CPU: the share of RAM for the KV cache
+        f"actor_rollout_ref.rollout.max_model_len={shape.prompt_tokens + 16 + shape.response_tokens}",
+        "+ray_kwargs.ray_init.include_dashboard=False", f"+ray_kwargs.ray_init._temp_dir={ray_tmp}",
+        *[f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env.items() if k != "VLLM_CPU_KVCACHE_SPACE"],
+    ]
+    tuned = [
+        "actor_rollout_ref.model.enable_gradient_checkpointing=False",  # memory is plenty: recomputing costs time
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False", "actor_rollout_ref.actor.use_torch_compile=False",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch}",  # one micro-batch: fewer, larger matmuls
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={batch}",
+    ]
+    return needed + tuned, env
+
+
 def through_arctic(url: str) -> list[str]:
     return ["--config-name", "arctic_ppo_trainer", "trainer.backend=arctic-rl", f"actor_rollout_ref.actor.arctic.url={url}"]
 
@@ -113,6 +148,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--url", help="the Arctic RL server (column arctic)")
     parser.add_argument("--override", action="append", default=[], help="one more Hydra override (the tuning)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="alone: OMP_NUM_THREADS for verl's Ray workers (Ray's default is 1)")
     args = parser.parse_args()
 
     shape = shape_from_json(args.shape)
@@ -120,11 +157,15 @@ def main() -> int:
     lengths = write_verl_dataset(args.work, args.model, shape)
     with open(os.path.join(args.work, "fast_poll.py"), "w") as f:
         f.write(FAST_POLL)
-    head = through_arctic(args.url) if args.column == "arctic" else []
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", *head, *algorithm(shape, args.steps, args.work, args.model),
-               *args.override]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", RAY_DEDUP_LOGS="0")
+    if args.column == "arctic":
+        head, tail = through_arctic(args.url), []
+    else:
+        head, (tail, alone_env) = [], alone(shape, args.work, args.threads)
+        env.update(alone_env)
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *head, *algorithm(shape, args.steps, args.work, args.model),
+               *tail, *args.override]
     trace = os.path.join(args.work, "adapter-trace.jsonl")
     if args.column == "arctic":
         env["ARCTIC_RL_VERL_TRACE"] = trace
@@ -138,6 +179,8 @@ def main() -> int:
     backend_shares(trace, steps)
     result = {"framework": "verl", "column": args.column, "returncode": proc.returncode, "wall_s": wall,
               "steps": steps, "command": command[1:], **lengths}
+    if args.column == "alone":  # what each process applied, as the patches printed it
+        result["patches_applied"] = sorted(set(re.findall(r"\[verl-alone patches\] pid=\d+ applied=(\[.*?\])", log)))
     if proc.returncode != 0 or len(steps) < args.steps:
         result["error"] = log[-4000:]
     print(json.dumps(result), flush=True)

