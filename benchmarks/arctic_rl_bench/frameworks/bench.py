@@ -153,7 +153,10 @@ def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]
         "zorro_off_over_on_update": ratio("zorro-off", "zorro-on", framework.update_phases),
     }
     gain = summary["ratios"]["zorro_off_over_on_update"]
-    summary["zorro_fraction_of_bound"] = None if gain is None else gain / shape.dedup_bound()
+    bound = shape.dedup_bound()
+    summary["zorro_fraction_of_bound"] = None if gain is None else gain / bound
+    # Near a bound of 1x the fraction says little (no gain at all reads 1 / bound): also the share of what was to gain.
+    summary["zorro_share_of_gain"] = None if gain is None else (gain - 1) / (bound - 1)
     return summary
 
 
@@ -221,9 +224,10 @@ def table(result: dict) -> str:
             for column, shares in s["backend_seconds"].items():
                 lines.append(f"{column}, the backend's share (engine calls; generation: first request to last answer): "
                              + " ".join(f"{p} {v:.2f}" for p, v in shares.items() if v is not None))
-            fraction = s["zorro_fraction_of_bound"]
+            fraction, share = s["zorro_fraction_of_bound"], s["zorro_share_of_gain"]
             lines.append(f"ZoRRo off / on on log-probs + update: {_x(s['ratios']['zorro_off_over_on_update'])} "
-                         f"({'-' if fraction is None else f'{fraction:.2f}'} of the bound); first step: "
+                         f"({'-' if fraction is None else f'{fraction:.2f}'} of the bound, "
+                         f"{'-' if share is None else f'{share:.2f}'} of the gain it allows); first step: "
                          + "; ".join(f"{c} loss {v['pg_loss']} grad norm {v['grad_norm']}" for c, v in s["first_step"].items()))
         if "alone_not_run" in entry:
             lines.append(f"{name} alone: not run: {entry['alone_not_run']}")

@@ -12,8 +12,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,12 +66,10 @@ def algorithm(shape, steps: int, folder: str, model: str) -> list[str]:
 ALONE_PATCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone")
 
 
-def alone(shape, work: str, threads: int) -> tuple[list[str], dict]:
+def alone(shape, ray_tmp: str, threads: int) -> tuple[list[str], dict]:
     """verl's own FSDP actor and vLLM rollout on a CPU: the settings it needs to run here (each says why), then the
     tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
     that loads the runtime patches (alone/verl_alone_patches.py) in every process, Ray's workers included."""
-    ray_tmp = os.path.join(work, "ray")
-    os.makedirs(ray_tmp, exist_ok=True)
     env = {"PYTHONPATH": ALONE_PATCHES, "VERL_USE_EXTERNAL_MODULES": "verl_alone_patches",
            "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for cuda and npu only (engine lookup only)
            "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -162,7 +162,9 @@ def main() -> int:
     if args.column == "arctic":
         head, tail = through_arctic(args.url), []
     else:
-        head, (tail, alone_env) = [], alone(shape, args.work, args.threads)
+        # A Ray cluster of its own, in a short folder: its socket paths must stay within AF_UNIX's 107 bytes.
+        ray_tmp = tempfile.mkdtemp(prefix="ray-alone-")
+        head, (tail, alone_env) = [], alone(shape, ray_tmp, args.threads)
         env.update(alone_env)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *head, *algorithm(shape, args.steps, args.work, args.model),
                *tail, *args.override]
@@ -170,7 +172,11 @@ def main() -> int:
     if args.column == "arctic":
         env["ARCTIC_RL_VERL_TRACE"] = trace
     t0 = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=args.work)
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=args.work)
+    finally:
+        if args.column == "alone":
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     with open(os.path.join(args.work, "verl.log"), "w") as f:
