@@ -140,3 +140,12 @@ def test_the_alone_patches_are_listed_with_why_and_timing_and_apply_once(monkeyp
     skipped = patches.AlonePatch("P8 not here", why="a test", timing="none", needed=lambda: False,
                                  apply=lambda: calls.append("wrong"))
     assert not patches.apply(skipped) and "P8 not here" not in patches.APPLIED and calls == ["applied"]
+
+
+def test_a_runner_reports_a_run_with_fewer_steps_than_asked_as_failed(capsys):
+    from arctic_rl_bench.frameworks.workload import report
+
+    assert report({"returncode": 0, "steps": [{"step": 1}, {"step": 2}]}, "log", steps_wanted=2) == 0
+    assert report({"returncode": 0, "steps": [{"step": 1}]}, "...the log's tail", steps_wanted=2) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert "error" not in json.loads(lines[0]) and json.loads(lines[1])["error"] == "...the log's tail"

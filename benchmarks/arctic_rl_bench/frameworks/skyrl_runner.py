@@ -9,7 +9,6 @@ losses are near zero.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workload import prompts, shape_from_json  # noqa: E402
+from workload import prompts, report, shape_from_json  # noqa: E402
 
 # SkyRL's Timer names, as this bench's phases (the trainer's step, trainer.py).
 PHASES = {"gen": "timing/generate", "old_log_prob": "timing/fwd_logprobs_values_reward",
@@ -105,10 +104,7 @@ def main() -> int:
     steps = steps_from(os.path.join(args.work, "tb")) if proc.returncode == 0 else []
     result = {"framework": "skyrl", "column": args.column, "returncode": proc.returncode, "wall_s": wall,
               "steps": steps, "command": argv[1:], **lengths}
-    if proc.returncode != 0 or len(steps) < args.steps:
-        result["error"] = log[-4000:]
-    print(json.dumps(result), flush=True)
-    return 0 if "error" not in result else 1
+    return report(result, log, args.steps)
 
 
 if __name__ == "__main__":

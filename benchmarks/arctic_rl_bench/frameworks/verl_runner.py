@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workload import SEED, shape_from_json, write_verl_dataset  # noqa: E402
+from workload import SEED, report, shape_from_json, write_verl_dataset  # noqa: E402
 
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
 METRICS = {"pg_loss": "actor/pg_loss", "grad_norm": "actor/grad_norm", "reward": "critic/score/mean",
@@ -187,10 +187,7 @@ def main() -> int:
               "steps": steps, "command": command[1:], **lengths}
     if args.column == "alone":  # what each process applied, as the patches printed it
         result["patches_applied"] = sorted(set(re.findall(r"\[verl-alone patches\] pid=\d+ applied=(\[.*?\])", log)))
-    if proc.returncode != 0 or len(steps) < args.steps:
-        result["error"] = log[-4000:]
-    print(json.dumps(result), flush=True)
-    return 0 if "error" not in result else 1
+    return report(result, log, args.steps)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,15 @@ def write_verl_dataset(folder: str, model: str, shape: Shape) -> dict:
     return lengths
 
 
+def report(result: dict, log: str, steps_wanted: int) -> int:
+    """A runner's answer: its result as one JSON line on stdout (the orchestrator reads the last), with the log's tail
+    as `error` where the run failed or logged fewer steps than asked; the exit status to return."""
+    if result["returncode"] != 0 or len(result["steps"]) < steps_wanted:
+        result["error"] = log[-4000:]
+    print(json.dumps(result), flush=True)
+    return 0 if "error" not in result else 1
+
+
 def shape_json(shape: Shape) -> str:
     return json.dumps(asdict(shape))
 
