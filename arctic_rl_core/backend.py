@@ -34,6 +34,7 @@ from arctic_rl_core.types import (
     LogProbsResult,
     LossSpec,
     ProcessorSpec,
+    RoutedExperts,
     SamplingParams,
     Sequence,
     MAX_LEARNING_RATE,
@@ -47,6 +48,7 @@ from arctic_rl_core.types import (
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
+from arctic_rl_core.models.router_replay import check_record
 from arctic_rl_core.trajectories import TrajectoryStore
 
 
@@ -69,6 +71,17 @@ def _per_sequence(count: int, micro_batches, outputs, with_entropy: bool):
     """Per-token outputs of micro-batches, per sequence in the caller's order: (log-probs, entropy or None)."""
     return (_split(count, micro_batches, outputs, "logprobs"),
             _split(count, micro_batches, outputs, "entropy") if with_entropy else None)
+
+
+def _routes_taken(count: int, micro_batches, outputs) -> list[RoutedExperts] | None:
+    """Per sequence, the routing a router-replaying forward took at each of its tokens; None without replay."""
+    if not outputs or "routed_experts" not in outputs[0]:
+        return None
+    routes: list[RoutedExperts | None] = [None] * count
+    for mb, out in zip(micro_batches, outputs):
+        for seq_id, rows in zip(mb.sequence_ids, mb.token_rows):
+            routes[seq_id] = RoutedExperts.of(out["routed_experts"][rows].numpy())
+    return routes
 
 
 def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
@@ -145,6 +158,15 @@ class InProcessBackend(TrainingAPI):
     def _validated(self, sequences: Any) -> list[Sequence]:
         seqs = parse_sequences(sequences)
         validate_sequences(seqs, max_context=self.engine.max_context, vocab_size=self.engine.vocab_size)
+        replay = getattr(self.engine, "router_replay", None)
+        for i, seq in enumerate(seqs):
+            if seq.routed_experts is None:
+                continue
+            where = f"sequences[{i}].routed_experts"
+            if replay is None:
+                raise InvalidRequest(where, "would be ignored: this job replays no routing (router_replay is "
+                                            f"{self.config.router_replay!r}, or the model is dense)")
+            check_record(seq.routed_experts.array(), replay, where)
         return seqs
 
     def _sampler_in_use(self):
@@ -309,8 +331,10 @@ class InProcessBackend(TrainingAPI):
         # Lock order everywhere: train, critic, weights, sampler.
         with (nullcontext() if self.engine.concurrent_forward else self._train_lock), self._weights_lock:
             outputs = self.engine.forward(micro, post, with_entropy)
-        logprobs, entropy = _per_sequence(len(seqs), [mb for mb, _ in outputs], [out for _, out in outputs], with_entropy)
-        return LogProbsResult(logprobs=logprobs, entropy=entropy, weight_version=self._weight_version)
+        micro, outs = [mb for mb, _ in outputs], [out for _, out in outputs]
+        logprobs, entropy = _per_sequence(len(seqs), micro, outs, with_entropy)
+        return LogProbsResult(logprobs=logprobs, entropy=entropy, weight_version=self._weight_version,
+                              routed_experts=_routes_taken(len(seqs), micro, outs))
 
     def _critic_engine(self, field: str):
         if self.critic is None:

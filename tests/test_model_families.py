@@ -6,6 +6,7 @@ import os
 import pytest
 
 from model_sweep import render, sweep
+from replay_sweep import render_replay, replay_sweep
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "models.md")
 
@@ -46,10 +47,42 @@ def test_families_split_attention_cannot_serve_are_refused_by_name(rows, family,
     assert row.outcome == "refused" and reason in row.detail, row.detail
 
 
-def test_docs_table_is_current(rows):
+@pytest.fixture(scope="module")
+def replay_rows():
+    return {r.model_type: r for r in replay_sweep()}
+
+
+def test_no_moe_family_is_replayed_wrong(replay_rows):
+    bad = [r for r in replay_rows.values() if r.outcome in ("wrong", "error")]
+    assert not bad, "\n".join(f"{r.model_type}: {r.outcome} {r.detail}" for r in bad)
+
+
+@pytest.mark.parametrize("family, paths", [
+    ("qwen3_moe", "packed, padded"), ("qwen2_moe", "packed, padded"), ("mixtral", "packed, padded"),
+    ("olmoe", "packed, padded"), ("deepseek_v3", "packed, padded"), ("gpt_oss", "packed, padded"),
+    ("glm4_moe", "packed, padded"), ("llama4_text", "padded"), ("jamba", "padded"),  # jamba: top-k in its block
+])
+def test_the_moe_families_of_the_field_are_replayed_exactly(replay_rows, family, paths):
+    row = replay_rows[family]
+    assert row.outcome == "replayed", row.detail
+    assert ", ".join(n for n, ok in (("packed", row.packed), ("padded", row.padded)) if ok) == paths
+
+
+@pytest.mark.parametrize("family, reason", [
+    ("phimoe", "{0: 0, 1: 0}"),  # sparsemixer: no top-k
+    ("jetmoe", "{0: 2, 1: 2}"),  # its attention routes too (mixture of attention heads)
+    ("doge", "no decoder layer has an `experts` module"),
+])
+def test_moe_families_whose_routing_cannot_be_replayed_are_refused_by_name(replay_rows, family, reason):
+    row = replay_rows[family]
+    assert row.outcome == "refused" and reason in row.detail, row.detail
+
+
+def test_docs_table_is_current(rows, replay_rows):
     with open(DOCS) as f:
         documented = [line for line in f.read().splitlines() if line.startswith("|")]
-    current = [line for line in render(list(rows.values())).splitlines() if line.startswith("|")]
+    current = [line for line in (render(list(rows.values())) + render_replay(list(replay_rows.values()))).splitlines()
+               if line.startswith("|")]
     assert documented == current, "docs/models.md is stale: python -m tests.model_sweep > docs/models.md"
 
 

@@ -41,7 +41,8 @@ class CriticEngine(DeepSpeedEngine):
     def _check_exactness(self, wrapper: torch.nn.Module, want_zorro: bool) -> None:
         """Nothing to check against: values are the critic's own (packed and padded forwards agree, tested)."""
 
-    def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool,
+                 record_routes: bool = False) -> dict[str, torch.Tensor]:
         return {"values": self.engine(**model_inputs(mb, self.device))}
 
     def describe(self) -> dict:

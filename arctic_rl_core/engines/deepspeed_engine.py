@@ -29,6 +29,7 @@ from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.losses.registry import Registered
 from arctic_rl_core.models.determinism import inference_behaviour
 from arctic_rl_core.models.exactness import check_exactness, check_features, zorro_attention_possible
+from arctic_rl_core.models.router_replay import load_router_replay
 from arctic_rl_core.models.head import output_head
 from arctic_rl_core.models.loading import load_causal_lm, pad_token_id
 from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape, AdapterShaper
@@ -167,6 +168,11 @@ class DeepSpeedEngine(TrainingEngine):
         )
         inference_behaviour(self.engine.module)
         self._check_exactness(wrapper, want_zorro)
+        wrapper.router_replay = self.router_replay = (
+            load_router_replay(self._causal_lm, hf_config, self.device) if config.router_replay != "off" else None)
+        if self.router_replay is not None:
+            # One routing state per model: forwards take turns (gradient checkpointing's recompute in backward reads it).
+            self.concurrent_forward = False
         # DeepSpeed's own loader unpickles with weights_only=False; ours reads data only.
         self.engine.checkpoint_engine = SafeCheckpointEngine(self.engine._config)
         self.engine.set_gradient_accumulation_boundary(False)
@@ -200,8 +206,9 @@ class DeepSpeedEngine(TrainingEngine):
     output_keys: tuple[str, ...] = ("logprobs", "entropy")
     """The per-token outputs `forward` returns and `forward_backward` keeps."""
 
-    def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool) -> dict[str, torch.Tensor]:
-        return response_outputs(self.engine, mb, post, with_entropy, self.device)
+    def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool,
+                 record_routes: bool = False) -> dict[str, torch.Tensor]:
+        return response_outputs(self.engine, mb, post, with_entropy, self.device, record_routes)
 
     def forward_backward(self, micro_batches, loss, loss_config, post, scales=None, keep_outputs=False,
                          with_entropy=False):
@@ -246,8 +253,12 @@ class DeepSpeedEngine(TrainingEngine):
         results = []
         for mb in micro_batches:
             mb.inputs = inputs_on_device(mb.inputs, self.device)
-            out = self._outputs(mb, post, with_entropy)
-            results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in self.output_keys}))
+            record = self.router_replay is not None
+            out = self._outputs(mb, post, with_entropy, record_routes=record)
+            kept = {k: v.float().cpu() for k, v in out.items() if k in self.output_keys}
+            if record:  # the routing this forward took, replayed or its own, per flat position
+                kept["routed_experts"] = self.router_replay.recorded.cpu()
+            results.append((mb, kept))
         return results
 
     # -- optimizer -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ are. No optimizer, no gradients; it lives in the backend's process, on the train
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager
 
@@ -16,6 +17,7 @@ import torch
 
 from arctic_rl_core.batching import MicroBatch
 from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.models.router_replay import load_router_replay
 from arctic_rl_core.engines.response_logits import ResponseLogits, inputs_on_device, response_outputs
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.models.determinism import inference_behaviour
@@ -52,6 +54,8 @@ class ReferenceModel:
         self.weights_fingerprint = checkpoint_fingerprint(self.model_path)
         check_exactness(self.model, self.model, model, zorro=self.zorro_loaded, pad_id=pad_token_id(hf_config),
                         vocab_size=hf_config.vocab_size, device=self.device, dtype=dtype)
+        if config.router_replay != "off" and rc.router_replay:
+            self.model.router_replay = load_router_replay(model, hf_config, self.device)
         self.offload = rc.offload
         if self.offload:
             pin, copies = self.device.type == "cuda", {}
@@ -96,6 +100,8 @@ class ReferenceModel:
         with self._resident():
             for mb in micro_batches:
                 mb.inputs = inputs_on_device(mb.inputs, self.device)
+                if self.model.router_replay is None:  # its own routing (reference.router_replay off)
+                    mb = dataclasses.replace(mb, routes=None, routes_known=None)
                 out = response_outputs(self.model, mb, post, with_entropy, self.device)
                 results.append((mb, {k: v.float().cpu() for k, v in out.items() if k in ("logprobs", "entropy")}))
         return results

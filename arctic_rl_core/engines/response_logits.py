@@ -35,12 +35,17 @@ class ResponseLogits(torch.nn.Module):
         self.zorro_backend = zorro_backend
         self.last_delivery = None
         """The attention calls of the last packed forward (`Delivery`: checked at load)."""
+        self.router_replay = None
+        """A mixture-of-experts model's `RouterReplay`, where the job replays routing (installed by the engine)."""
 
     def forward(self, input_ids: torch.Tensor, logit_rows: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, zorro_layout: ForestLayout | None = None,
-                targets: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False):
-        """Logits [rows, vocab]; or, given `targets`, {"logprobs", "entropy"?} at `temperature`, chunk by chunk."""
+                targets: torch.Tensor | None = None, temperature: float = 1.0, with_entropy: bool = False,
+                routes: torch.Tensor | None = None, routes_known: torch.Tensor | None = None, record_routes: bool = False):
+        """Logits [rows, vocab]; or, given `targets`, {"logprobs", "entropy"?} at `temperature`, chunk by chunk.
+        `routes` where `routes_known` are replayed; `record_routes` keeps the routing taken in `router_replay`."""
         lm = self._causal_lm[0]
+        replaying(self.router_replay, routes, routes_known, record_routes)
         rows, self.last_delivery = response_hidden(lm, input_ids, logit_rows, attention_mask, position_ids,
                                                    zorro_layout, self.zorro_backend, self.last_delivery)
         if targets is None:
@@ -89,13 +94,25 @@ class ResponseValues(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.bias)
         self.zorro_backend = zorro_backend
         self.last_delivery = None
+        self.router_replay = None
 
     def forward(self, input_ids: torch.Tensor, logit_rows: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, zorro_layout: ForestLayout | None = None) -> torch.Tensor:
-        """One value per row of `logit_rows`, in fp32."""
+                position_ids: torch.Tensor | None = None, zorro_layout: ForestLayout | None = None,
+                routes: torch.Tensor | None = None, routes_known: torch.Tensor | None = None) -> torch.Tensor:
+        """One value per row of `logit_rows`, in fp32; `routes` replayed as `ResponseLogits`'."""
+        replaying(self.router_replay, routes, routes_known, False)
         rows, self.last_delivery = response_hidden(self.model, input_ids, logit_rows, attention_mask, position_ids,
                                                    zorro_layout, self.zorro_backend, self.last_delivery)
         return self.value_head(rows).squeeze(-1).float()
+
+
+def replaying(replay, routes: torch.Tensor | None, known: torch.Tensor | None, record: bool) -> None:
+    """Sets what the next forward replays (and records); the state stays until the next call, for the recomputed
+    forward of gradient checkpointing in backward."""
+    if replay is not None:
+        replay.use(routes, known, record=record)
+    elif routes is not None:
+        raise RuntimeError("routes given to a model without router replay")
 
 
 def response_hidden(lm, input_ids, logit_rows, attention_mask, position_ids, zorro_layout, zorro_backend, delivery):
@@ -145,18 +162,22 @@ def model_inputs(mb: MicroBatch, device: torch.device) -> dict[str, Any]:
     def to_device(t):
         return t.to(device) if t is not None else None
 
+    routes = {} if mb.routes is None else dict(routes=mb.routes.to(device), routes_known=mb.routes_known.to(device))
     return dict(input_ids=mb.input_ids.to(device), logit_rows=mb.logit_rows.to(device),
                 attention_mask=to_device(mb.attention_mask), position_ids=to_device(mb.position_ids),
-                zorro_layout=mb.layout)
+                zorro_layout=mb.layout, **routes)
 
 
 def response_outputs(forward: Callable[..., Any], mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool,
-                     device: torch.device) -> dict[str, torch.Tensor]:
+                     device: torch.device, record_routes: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch through `forward` (a `ResponseLogits`, or an engine wrapping one): the response tokens'
-    "targets", "logprobs" and, with `with_entropy`, "entropy", after the post-processors `post`."""
+    "targets", "logprobs" and, with `with_entropy`, "entropy", after the post-processors `post`. `record_routes`:
+    a router-replaying model keeps the routing this forward takes."""
     from arctic_rl_core.losses.post_processors import compute_entropy, compute_logprobs
 
     batch = model_inputs(mb, device)
+    if record_routes:
+        batch["record_routes"] = True
     targets = mb.targets.to(device)
     temperature = folded_temperature(post)
     if temperature is not None:

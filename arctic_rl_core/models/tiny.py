@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-Family = Literal["qwen3", "qwen2", "llama", "gemma2", "granite"]
+Family = Literal["qwen3", "qwen2", "llama", "gemma2", "granite", "qwen3_moe"]
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "gemma2", "granite")
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe",)
+"""Mixture-of-experts families (4 experts, 2 per token, every layer sparse): router replay's."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
                   # Qwen3's tool and reasoning markers: its renderers (PrimeRL's) need them in the vocabulary.
                   "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -97,7 +99,7 @@ QWEN3_0_6B = dict(layers=28, hidden=1024, heads=16, kv_heads=8,
 def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int,
                 max_positions: int, eos_token_id: int, intermediate: int | None = None, head_dim: int | None = None,
                 tie_embeddings: bool = False):
-    from transformers import Gemma2Config, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -115,6 +117,9 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
     head_dim = head_dim or hidden // heads
     if family == "qwen3":
         return Qwen3Config(head_dim=head_dim, **common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(head_dim=head_dim, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                              moe_intermediate_size=intermediate or hidden, decoder_sparse_step=1, **common)
     if family == "qwen2":
         return Qwen2Config(**common)
     if family == "llama":
@@ -127,7 +132,7 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
     if family == "granite":
         return GraniteConfig(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
                              attention_multiplier=(hidden // heads) ** -0.5, **common)
-    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES + MOE_FAMILIES)}")
 
 
 def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: int = 64, heads: int = 2,
@@ -142,8 +147,8 @@ def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: in
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if family not in FAMILIES + MOE_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES + MOE_FAMILIES)}")
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
     tokenizer = train_tokenizer(vocab_size, corpus)

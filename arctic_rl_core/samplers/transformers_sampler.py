@@ -16,8 +16,9 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.models.lora_files import lora_deltas
 from arctic_rl_core.models.rope_scaling import context_window, model_config
+from arctic_rl_core.models.router_replay import load_router_replay
 from arctic_rl_core.samplers.base import Sampler
-from arctic_rl_core.types import Completion, SamplingParams
+from arctic_rl_core.types import Completion, RoutedExperts, SamplingParams
 
 
 class _Aborted(StoppingCriteria):
@@ -56,6 +57,8 @@ class TransformersSampler(Sampler):
         self.adapters = config.sampler.adapters
         self._adapters: dict[str, dict[str, torch.Tensor]] = {}
         """name -> each base weight's change under the adapter."""
+        self.router_replay = load_router_replay(self.model, hf_config, self.device) if config.router_replay == "R3" else None
+        """R3: each completion carries the routing it was sampled with."""
 
     def add_adapter(self, name: str, path: str) -> None:
         params = dict(self.model.named_parameters())
@@ -87,6 +90,29 @@ class TransformersSampler(Sampler):
         finally:
             for key, weight in kept.items():
                 params[key].copy_(weight)
+
+    @contextmanager
+    def _routes_recorded(self, rows: int):
+        """With R3, a list that collects each forward of `generate` its routing, [rows, tokens, layers, top_k]."""
+        replay = self.router_replay
+        if replay is None:
+            yield None
+            return
+        steps: list[torch.Tensor] = []
+
+        def start(module, args):
+            replay.use(record=True)
+
+        def end(module, args, output):
+            steps.append(replay.recorded.view(rows, -1, replay.num_layers, replay.top_k))
+
+        hooks = [self.model.register_forward_pre_hook(start), self.model.register_forward_hook(end)]
+        try:
+            yield steps
+        finally:
+            for hook in hooks:
+                hook.remove()
+            replay.use()
 
     def abort_generation(self) -> bool:
         self._abort.set()
@@ -132,10 +158,13 @@ class TransformersSampler(Sampler):
                                                weight_version=weight_version) for _ in range(sampling.n)]
                     continue
                 ids = torch.tensor([prompt] * sampling.n, device=self.device)
-                out = self.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
-                    tokenizer=self.tokenizer if sampling.stop else None, stopping_criteria=StoppingCriteriaList([aborted]),
-                )
+                with self._routes_recorded(sampling.n) as steps:
+                    out = self.model.generate(
+                        input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen_config,
+                        tokenizer=self.tokenizer if sampling.stop else None, stopping_criteria=StoppingCriteriaList([aborted]),
+                    )
+                # Every forwarded token's routing: the prompt and each sampled token but the last (never forwarded).
+                routes = torch.cat(steps, dim=1).cpu().numpy() if steps else None
                 new = out.sequences[:, ids.shape[1]:]
                 if sampling.logprobs_of == "sampler":  # what was sampled from: penalised, scaled, truncated
                     logits = torch.stack(out.scores, dim=1).float()
@@ -162,6 +191,8 @@ class TransformersSampler(Sampler):
                             weight_version=weight_version,
                             top_logprobs=None if top is None else _pairs(top.indices[row, :end], top.values[row, :end]),
                             ranks=ranks[row, :end].tolist(), prompt_logprobs=prompt_scores,
+                            routed_experts=None if routes is None or not end else
+                            RoutedExperts.of(routes[row, : len(prompt) + end - 1]),
                         )
                     )
         return completions

@@ -11,11 +11,15 @@ moved, so the packed order is depth-first and `ForestLayout`'s mask rule holds.
 Sharing is found from the tokens themselves, so it covers GRPO groups (with or
 without a group id), nested groups (a system prompt shared by several groups)
 and multi-turn data (a conversation's earlier turns shared by its later ones).
+With router replay a token is shared only where the sequences' routing records
+agree on it too, so replay gives the same results packed or not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from arctic_rl_kernels.layout import ForestLayout
 
@@ -45,10 +49,24 @@ class _Open:
     depth_end: int
 
 
-def pack_forest(sequences: list[list[int]], min_shared_tokens: int = 1) -> PackedForest:
+def routes_agree(a: np.ndarray | None, b: np.ndarray | None, n: int) -> int:
+    """How many of the first `n` tokens two routing records ([tokens, layers * top_k], None: route natively) route
+    alike: rows equal, or both records ended before them (both native there)."""
+    if a is None or b is None:
+        return n if a is None and b is None else 0
+    m = min(n, len(a), len(b))
+    differ = np.flatnonzero((a[:m] != b[:m]).any(axis=1))
+    if differ.size:
+        return int(differ[0])
+    return n if len(a) == len(b) == m else m
+
+
+def pack_forest(sequences: list[list[int]], min_shared_tokens: int = 1,
+                routes: list[np.ndarray | None] | None = None) -> PackedForest:
     """Pack `sequences` (already in lexicographic order) into one depth-first prefix forest.
 
-    A prefix shorter than `min_shared_tokens` is not shared.
+    A prefix shorter than `min_shared_tokens` is not shared; with `routes` (per sequence, its routing record
+    [tokens, layers * top_k] or None), nor are tokens past where two records differ.
     """
     tokens: list[int] = []
     positions: list[int] = []
@@ -61,6 +79,8 @@ def pack_forest(sequences: list[list[int]], min_shared_tokens: int = 1) -> Packe
         if previous is not None and seq < previous:
             raise ValueError("pack_forest needs its sequences in lexicographic order")
         shared = common_prefix_length(previous, seq) if previous is not None else 0
+        if routes is not None and shared:
+            shared = routes_agree(routes[len(paths) - 1], routes[len(paths)], shared)
         if shared < min_shared_tokens:
             shared = 0
         while stack and stack[-1].depth_start >= shared:

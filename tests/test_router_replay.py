@@ -1,0 +1,168 @@
+"""Router replay through the training API (`router_replay`: R3, R2) on a tiny Qwen3-MoE: the sampler's routing
+travels with its completions and every trainer forward over those tokens routes so; a bad record is refused by
+name and changes nothing. Exactness against a plain masked-top-k reference, family by family, packed and padded:
+tests/replay_sweep.py (run by tests/test_model_families.py)."""
+
+import numpy as np
+import pytest
+
+from arctic_rl_core.backend import InProcessBackend
+from arctic_rl_core.config import BackendConfig
+from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.types import RoutedExperts, Sequence, behaviour
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    return make_tiny_model("qwen3_moe", str(tmp_path_factory.mktemp("moe")), max_positions=256)
+
+
+@pytest.fixture(scope="module")
+def r3(moe_model):
+    backend = InProcessBackend({"model_path": moe_model, "engine": {"learning_rate": 1e-2},
+                                "sampler": {"name": "transformers"}, "router_replay": "R3"})
+    yield backend
+    backend.close()
+
+
+def _sampled(backend, n=3, seed=1, max_tokens=6):
+    completions = backend.generate([PROMPT], {"n": n, "max_tokens": max_tokens, "seed": seed, "ignore_eos": True})
+    return completions, [Sequence(prompt_ids=PROMPT, response_ids=c.token_ids, group_id=0,
+                                  advantages=[1.0 - i] * len(c.token_ids), **behaviour(c))
+                         for i, c in enumerate(completions)]
+
+
+def _other_routes(seq: Sequence, experts: int, seed: int) -> Sequence:
+    """The same tokens routed to random other experts (distinct per token and layer)."""
+    record = seq.routed_experts.array()
+    rng = np.random.default_rng(seed)
+    routes = np.argsort(rng.random((record.shape[0], record.shape[1], experts)), axis=-1)[..., : record.shape[2]]
+    return seq.model_copy(update={"routed_experts": RoutedExperts.of(routes)})
+
+
+def test_r3_completions_carry_the_sampler_routing_and_the_trainer_replays_it(r3):
+    completions, seqs = _sampled(r3)
+    replay = r3.engine.router_replay
+    for c in completions:  # every forwarded token: the prompt and each sampled token but the last
+        assert c.routed_experts.tokens == len(PROMPT) + len(c.token_ids) - 1
+        assert (c.routed_experts.layers, c.routed_experts.top_k) == (replay.num_layers, replay.top_k)
+    result = r3.log_probs(seqs)
+    for taken, c, lp in zip(result.routed_experts, completions, result.logprobs):
+        assert np.array_equal(taken.array()[: c.routed_experts.tokens], c.routed_experts.array())
+        np.testing.assert_allclose(lp, c.logprobs, atol=2e-5)  # both fp32: the sampler's own log-probs
+
+
+def test_replayed_routes_change_the_log_probs_and_are_the_routes_used(r3):
+    _, seqs = _sampled(r3)
+    native = r3.log_probs(seqs)
+    forced = [_other_routes(s, r3.engine.router_replay.experts, seed=i) for i, s in enumerate(seqs)]
+    replayed = r3.log_probs(forced)
+    assert max(abs(a - b) for x, y in zip(native.logprobs, replayed.logprobs) for a, b in zip(x, y)) > 1e-3
+    for taken, seq in zip(replayed.routed_experts, forced):
+        assert np.array_equal(taken.array()[: seq.routed_experts.tokens], seq.routed_experts.array())
+
+
+def test_zorro_on_and_off_give_the_same_results_with_replay(r3):
+    _, seqs = _sampled(r3, n=4, seed=3)
+    # The third sequence shares the prompt's tokens, not all its routing: the forest must not share those.
+    seqs[2] = _other_routes(seqs[2], r3.engine.router_replay.experts, seed=7)
+    results = {}
+    for zorro in (True, False):
+        r3.config.zorro.enable = zorro
+        try:
+            results[zorro] = r3.fwd_bwd(seqs, "grpo", return_logprobs=True)
+            r3.discard_gradients()
+        finally:
+            r3.config.zorro.enable = True
+    on, off = results[True], results[False]
+    assert on.computed_tokens < off.computed_tokens  # the shared prompt computed once where routes agree
+    np.testing.assert_allclose(np.concatenate(on.logprobs), np.concatenate(off.logprobs), atol=1e-5)
+    assert on.loss == pytest.approx(off.loss, abs=1e-5)
+
+
+def test_r2_the_old_policy_pass_routing_is_replayed_in_the_update(moe_model):
+    backend = InProcessBackend({"model_path": moe_model, "engine": {"learning_rate": 5e-2},
+                                "sampler": {"name": "transformers"}, "router_replay": "R2"})
+    try:
+        completions, seqs = _sampled(backend)
+        assert all(c.routed_experts is None for c in completions)  # R2: the sampler records nothing
+        old = backend.log_probs(seqs)  # the old-policy pass records its own routing
+        replayed = [s.model_copy(update={"routed_experts": r}) for s, r in zip(seqs, old.routed_experts)]
+        update = backend.fwd_bwd(replayed, "grpo", return_logprobs=True)
+        np.testing.assert_allclose(np.concatenate(update.logprobs), np.concatenate(old.logprobs), atol=1e-5)
+        backend.step()
+        again = backend.log_probs(replayed)  # moved weights, the old routing still forced
+        for taken, given in zip(again.routed_experts, old.routed_experts):
+            assert np.array_equal(taken.array(), given.array())
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda r: {"ids": r.ids[: -r.layers * r.top_k], "layers": r.layers, "top_k": r.top_k}, "sequences[0].routed_experts"),
+    (lambda r: {"ids": r.ids[:-1], "layers": r.layers, "top_k": r.top_k}, "sequences[0].routed_experts.ids"),
+    (lambda r: {"ids": np.concatenate([r.ids, r.ids[: r.tokens * r.top_k]]), "layers": r.layers + 1, "top_k": r.top_k},
+     "sequences[0].routed_experts.layers"),
+    (lambda r: {"ids": r.array()[:, :, :1].reshape(-1), "layers": r.layers, "top_k": 1}, "sequences[0].routed_experts.top_k"),
+    (lambda r: {"ids": np.where(np.arange(len(r.ids)) == 3, 4, r.ids), "layers": r.layers, "top_k": r.top_k},
+     "sequences[0].routed_experts.ids"),  # expert 4 of 4
+    (lambda r: {"ids": np.repeat(r.array()[..., :1], 2, axis=-1).reshape(-1), "layers": r.layers, "top_k": 2},
+     "sequences[0].routed_experts.ids"),  # an expert twice
+])
+def test_a_bad_routing_record_is_refused_by_name_and_changes_nothing(r3, change, field):
+    _, seqs = _sampled(r3)
+    bad = seqs[0].model_copy(update={"routed_experts": RoutedExperts(**change(seqs[0].routed_experts))})
+    before = r3.state_digest()
+    for call in (lambda: r3.fwd_bwd([bad] + seqs[1:], "grpo"), lambda: r3.log_probs([bad])):
+        with pytest.raises(InvalidRequest) as err:
+            call()
+        assert err.value.field == field
+    assert not r3.engine.has_gradients and r3.state_digest() == before
+
+
+def test_routes_without_replay_are_refused_not_ignored(moe_model, tiny_model):
+    r3 = InProcessBackend({"model_path": moe_model, "sampler": {"name": "transformers"}, "router_replay": "R3"})
+    try:
+        _, seqs = _sampled(r3)
+    finally:
+        r3.close()
+    for path, mode in ((moe_model, "off"), (tiny_model, "R3")):  # replay off; a dense model (it ignores the setting)
+        backend = InProcessBackend({"model_path": path, "sampler": {"name": "transformers"}, "router_replay": mode})
+        try:
+            assert backend.engine.router_replay is None
+            seq = seqs[0] if path == moe_model else Sequence(prompt_ids=[1] * len(PROMPT), response_ids=seqs[0].response_ids,
+                                                              routed_experts=seqs[0].routed_experts)
+            with pytest.raises(InvalidRequest) as err:
+                backend.log_probs([seq])
+            assert err.value.field == "sequences[0].routed_experts" and "ignored" in err.value.message
+        finally:
+            backend.close()
+
+
+def test_r3_on_vllm_is_refused_with_the_reason(moe_model):
+    with pytest.raises(ValueError, match="router_replay[\\s\\S]*V2 model runner"):
+        BackendConfig.model_validate({"model_path": moe_model, "sampler": {"name": "vllm"}, "router_replay": "R3"})
+
+
+def test_routes_cross_the_wire(r3, moe_model, tmp_path):
+    from arctic_rl_core.client import ArcticRLClient
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    config = BackendConfig.model_validate({"model_path": moe_model, "sampler": {"name": "transformers"},
+                                           "router_replay": "R3"})
+    with ServerThread(ServerSettings(port=free_loopback_port(), checkpoint_dir=str(tmp_path)), config) as url:
+        client = ArcticRLClient(url, retries=0)
+        completions = client.generate([PROMPT], {"n": 2, "max_tokens": 5, "seed": 4, "ignore_eos": True})
+        local, _ = _sampled(r3, n=2, seed=4, max_tokens=5)
+        for remote, here in zip(completions, local):
+            assert np.array_equal(remote.routed_experts.array(), here.routed_experts.array())
+        seqs = [Sequence(prompt_ids=PROMPT, response_ids=c.token_ids, **behaviour(c)) for c in completions]
+        result = client.log_probs(seqs)
+        for taken, c in zip(result.routed_experts, completions):
+            assert np.array_equal(taken.array()[: c.routed_experts.tokens], c.routed_experts.array())
