@@ -15,7 +15,7 @@ from typing import Literal
 Family = Literal["qwen3", "qwen2", "llama", "gemma2", "granite", "qwen3_moe"]
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "gemma2", "granite")
 MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe",)
-"""Mixture-of-experts families (4 experts, 2 per token, every layer sparse): router replay's."""
+"""Mixture-of-experts families (default 4 experts, 2 per token, every layer sparse): router replay's."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
                   # Qwen3's tool and reasoning markers: its renderers (PrimeRL's) need them in the vocabulary.
                   "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
@@ -98,7 +98,7 @@ QWEN3_0_6B = dict(layers=28, hidden=1024, heads=16, kv_heads=8,
 
 def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int,
                 max_positions: int, eos_token_id: int, intermediate: int | None = None, head_dim: int | None = None,
-                tie_embeddings: bool = False):
+                tie_embeddings: bool = False, experts: int = 4, experts_per_token: int = 2):
     from transformers import Gemma2Config, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
@@ -118,7 +118,7 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
     if family == "qwen3":
         return Qwen3Config(head_dim=head_dim, **common)
     if family == "qwen3_moe":
-        return Qwen3MoeConfig(head_dim=head_dim, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+        return Qwen3MoeConfig(head_dim=head_dim, num_experts=experts, num_experts_per_tok=experts_per_token, norm_topk_prob=True,
                               moe_intermediate_size=intermediate or hidden, decoder_sparse_step=1, **common)
     if family == "qwen2":
         return Qwen2Config(**common)
@@ -142,7 +142,7 @@ def make_tiny_model(family: Family, out_dir: str, *, layers: int = 2, hidden: in
 
     The default head size is 32: vLLM's CPU attention kernels support no smaller one. `shape` overrides the
     config's size (`intermediate`, `head_dim`, `tie_embeddings`, `model_vocab`: a vocabulary larger than the
-    tokenizer's, for a real model's LM-head cost), e.g. `QWEN3_0_6B`.
+    tokenizer's, for a real model's LM-head cost; `experts`, `experts_per_token` of a MoE), e.g. `QWEN3_0_6B`.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig

@@ -24,6 +24,8 @@ BENCHMARKS = {
                "LoRA and full parameter",
     "frameworks": "verl, SkyRL and prime-rl alone against the same framework through Arctic RL, ZoRRo off and on, "
                   "on the seed's GRPO shape (not run in CI)",
+    "replay": "MoE router replay (R3): flipped routes and the sampler-vs-trainer log-prob gap off and on (bf16 sampler, "
+              "fp32 trainer, near-tied routers), a short GRPO run with and without, and the seconds it costs",
     "cascade": "decode attention tokens/s from a shared prompt with and without forest cascade attention, beside the KV-read bound",
 }
 
