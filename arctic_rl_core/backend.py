@@ -158,7 +158,7 @@ class InProcessBackend(TrainingAPI):
     def _validated(self, sequences: Any) -> list[Sequence]:
         seqs = parse_sequences(sequences)
         validate_sequences(seqs, max_context=self.engine.max_context, vocab_size=self.engine.vocab_size)
-        replay = getattr(self.engine, "router_replay", None)
+        replay = getattr(self.engine, "replay_shape", None)
         for i, seq in enumerate(seqs):
             if seq.routed_experts is None:
                 continue
@@ -590,6 +590,8 @@ class InProcessBackend(TrainingAPI):
             "crosses_syncs": self.sampler.crosses_syncs,
             "max_context": self.sampler.max_context,
             "weights_fingerprint": self.weights_fingerprint,
+            # The routing the trainer replays: `off` where the job does not, or its model is dense (nothing to replay).
+            "router_replay": self.config.router_replay if getattr(self.engine, "replay_shape", None) else "off",
             "trainer": getattr(self.engine, "placement",
                                [{"rank": 0, "node": "driver", "pid": os.getpid(), "healthy": True}]),
             "reference": None if self.reference is None else self.reference.describe(),

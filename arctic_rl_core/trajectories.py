@@ -34,7 +34,7 @@ class TrajectoryStore:
         """`cancelled`: the client went away before its answer; `completions` hold what it received."""
         turns = [Turn(prompt_ids=token_list(prompts[c.prompt_index]), token_ids=c.token_ids, logprobs=c.logprobs,
                       finish_reason=c.finish_reason, weight_version=c.weight_version, token_versions=c.token_versions,
-                      cancelled=cancelled)
+                      routed_experts=c.routed_experts, cancelled=cancelled)
                  for c in completions]
         size = sum(len(t.prompt_ids) + len(t.token_ids) for t in turns)
         with self._lock:

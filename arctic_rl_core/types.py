@@ -455,6 +455,8 @@ class Turn(_Strict):
     weight_version: int
     token_versions: list[int] | None = None
     """As `Completion.token_versions`."""
+    routed_experts: RoutedExperts | None = None
+    """As `Completion.routed_experts` (R3)."""
     cancelled: bool = False
     """The client went away (disconnected, timed out) before the answer: `token_ids` are exactly the tokens it was
     sent (none for a reply it never received), and the sampler stopped there. Such a turn trains as the truncated

@@ -166,3 +166,38 @@ def test_routes_cross_the_wire(r3, moe_model, tmp_path):
         result = client.log_probs(seqs)
         for taken, c in zip(result.routed_experts, completions):
             assert np.array_equal(taken.array()[: c.routed_experts.tokens], c.routed_experts.array())
+
+
+def test_the_token_route_returns_routes_as_prime_rl_reads_them_and_sessions_keep_them(moe_model, tmp_path):
+    import base64
+
+    import httpx
+
+    from arctic_rl_core.client import ArcticRLClient
+    from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.server.app import ServerSettings
+    from arctic_rl_core.server.run import ServerThread
+
+    config = BackendConfig.model_validate({"model_path": moe_model, "sampler": {"name": "transformers"},
+                                           "router_replay": "R3"})
+    with ServerThread(ServerSettings(port=free_loopback_port(), checkpoint_dir=str(tmp_path)), config) as url:
+        client = ArcticRLClient(url, retries=0)
+        body = {"token_ids": PROMPT, "session_id": "episode-1",
+                "sampling_params": {"max_tokens": 5, "seed": 2, "ignore_eos": True, "routed_experts_prompt_start": 2}}
+        raw = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=60)
+        assert raw.status_code == 200, raw.text
+        choice = raw.json()["choices"][0]
+        payload = choice["routed_experts"]  # prime-rl's server's object, which its orchestrator decodes
+        routes = np.frombuffer(base64.b64decode(payload["data"]), np.dtype(payload["dtype"])).reshape(payload["shape"])
+        assert payload["start"] == 2 and payload["dtype"] == "uint8"
+        assert routes.shape[0] == len(PROMPT) + len(choice["token_ids"]) - 1 - 2
+        [turn] = client.episode("episode-1").turns
+        assert np.array_equal(turn.routed_experts.array()[2:], routes)
+        # The captured episode trains with the routing it was sampled with.
+        [seq] = client.episode("episode-1").sequences(advantages=1.0)
+        scored = client.log_probs([seq])
+        assert np.array_equal(scored.routed_experts[0].array()[: turn.routed_experts.tokens], turn.routed_experts.array())
+        np.testing.assert_allclose(scored.logprobs[0], turn.logprobs, atol=2e-5)
+        bad = httpx.post(f"{url}/inference/v1/generate", json={
+            **body, "sampling_params": {**body["sampling_params"], "routed_experts_prompt_start": len(PROMPT) + 1}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"

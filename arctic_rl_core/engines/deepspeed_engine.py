@@ -170,6 +170,7 @@ class DeepSpeedEngine(TrainingEngine):
         self._check_exactness(wrapper, want_zorro)
         wrapper.router_replay = self.router_replay = (
             load_router_replay(self._causal_lm, hf_config, self.device) if config.router_replay != "off" else None)
+        self.replay_shape = None if self.router_replay is None else self.router_replay.shape
         if self.router_replay is not None:
             # One routing state per model: forwards take turns (gradient checkpointing's recompute in backward reads it).
             self.concurrent_forward = False

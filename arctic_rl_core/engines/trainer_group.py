@@ -60,7 +60,7 @@ class TrainerRank:
         self.engine = DeepSpeedEngine(BackendConfig.model_validate(self.config))
         e = self.engine
         return {"max_context": e.max_context, "vocab_size": e.vocab_size, "pad_token_id": e.pad_token_id,
-                "zorro_loaded": e.zorro_loaded, "node": self._node(), "pid": os.getpid()}
+                "zorro_loaded": e.zorro_loaded, "replay_shape": e.replay_shape, "node": self._node(), "pid": os.getpid()}
 
     def forward_backward(self, micro_batches, scales, loss, loss_config, post, keep_outputs, with_entropy):
         return self.engine.forward_backward(micro_batches, loss, loss_config, post, scales=scales,
@@ -206,6 +206,7 @@ class TrainerGroup(TrainingEngine):
         first = facts[0]
         self.max_context, self.vocab_size = first["max_context"], first["vocab_size"]
         self.pad_token_id, self.zorro_loaded = first["pad_token_id"], first["zorro_loaded"]
+        self.replay_shape = first["replay_shape"]
         self._where = [{"rank": r, "node": f["node"], "pid": f["pid"], "bundle": b}
                        for (r, f), b in zip(enumerate(facts), layout.where["trainer"])]
         self.last_plan: RankPlan | None = None

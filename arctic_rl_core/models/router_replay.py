@@ -44,6 +44,17 @@ def moe_shape(hf_config) -> tuple[int, int] | None:
     return experts, top_k
 
 
+@dataclass(frozen=True)
+class ReplayShape:
+    """What a routing record must fit: plain data, so a trainer group's driver checks records its ranks replay."""
+
+    family: str
+    num_layers: int
+    top_k: int
+    experts: int
+    moe_layers: tuple[int, ...]
+
+
 @dataclass
 class MoeLayer:
     index: int
@@ -129,6 +140,10 @@ class RouterReplay:
         replay = cls(model, hf_config)
         replay.probe(forward)
         return replay
+
+    @property
+    def shape(self) -> ReplayShape:
+        return ReplayShape(self.family, self.num_layers, self.top_k, self.experts, tuple(l.index for l in self.layers))
 
     # -- the record's use -------------------------------------------------------------------------
 
@@ -254,7 +269,7 @@ def _moe_layers(model: torch.nn.Module, family: str) -> list[MoeLayer]:
     return layers
 
 
-def check_record(routes: np.ndarray, replay: RouterReplay, field: str) -> None:
+def check_record(routes: np.ndarray, replay: ReplayShape, field: str) -> None:
     """Raise `InvalidRequest` on `field` unless `routes` ([tokens, layers, top_k]) fits this model: its layer count
     and top-k, and on each MoE layer distinct expert ids within range (a dense layer's rows are not read)."""
     _, layers, top_k = routes.shape
@@ -262,16 +277,16 @@ def check_record(routes: np.ndarray, replay: RouterReplay, field: str) -> None:
         raise InvalidRequest(f"{field}.layers", f"is {layers}; the model has {replay.num_layers} decoder layers")
     if top_k != replay.top_k:
         raise InvalidRequest(f"{field}.top_k", f"is {top_k}; the model routes each token to {replay.top_k} experts")
-    moe = routes[:, [layer.index for layer in replay.layers]]
+    moe = routes[:, list(replay.moe_layers)]
     if moe.size and (moe.min() < 0 or moe.max() >= replay.experts):
         bad = np.argwhere((moe < 0) | (moe >= replay.experts))[0]
-        raise InvalidRequest(f"{field}.ids", f"token {bad[0]}, layer {replay.layers[bad[1]].index}: expert "
+        raise InvalidRequest(f"{field}.ids", f"token {bad[0]}, layer {replay.moe_layers[bad[1]]}: expert "
                              f"{moe[tuple(bad)]} is outside the model's {replay.experts} experts")
     ordered = np.sort(moe, axis=-1)
     repeated = np.argwhere((ordered[..., 1:] == ordered[..., :-1]).any(-1))
     if repeated.size:
         token, layer = repeated[0]
-        raise InvalidRequest(f"{field}.ids", f"token {token}, layer {replay.layers[layer].index}: names an expert "
+        raise InvalidRequest(f"{field}.ids", f"token {token}, layer {replay.moe_layers[layer]}: names an expert "
                              f"twice ({moe[token, layer].tolist()}); a token's {replay.top_k} experts are distinct")
 
 

@@ -15,6 +15,7 @@ completions as turns of that episode, which the training API's `episode` call re
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import json
 from importlib import metadata
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+import numpy as np
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -73,6 +75,16 @@ class Sampled:
         if self.completions is None:
             return [(i, None) for i in range(len(self.prompts) * self.n)]
         return list(enumerate(self.completions))
+
+
+def _routed_experts(c: Completion, start: int) -> dict:
+    """A completion's routing (R3) as prime-rl's inference server returns it on a choice, which its orchestrator
+    reads: `[tokens, layers, top_k]` from `start` (`routed_experts_prompt_start`) to the last forwarded token, raw
+    uint8 (uint16 past 256 experts) in base64. vLLM's own `.npy` string is not sent."""
+    routes = c.routed_experts.array()[start:]
+    compact = routes.astype(np.uint8 if routes.size == 0 or routes.max() < 256 else np.uint16)
+    return {"data": base64.b64encode(np.ascontiguousarray(compact).tobytes()).decode("ascii"),
+            "shape": list(compact.shape), "start": start, "dtype": compact.dtype.name}
 
 
 def _spans(c: Completion) -> list[dict]:
@@ -563,6 +575,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         if req.output_mode == "text" and not req.sampling_params.detokenize:
             raise InvalidRequest("output_mode", "'text' needs sampling_params.detokenize true")
         sampling = req.sampling(max_tokens(api, req.sampling_params.max_tokens, [req.token_ids]))
+        start = req.sampling_params.routed_experts_prompt_start
+        if start is not None and not 0 <= start <= len(req.token_ids):
+            raise InvalidRequest("sampling_params.routed_experts_prompt_start",
+                                 f"is {start}; it must be within the prompt (0 to {len(req.token_ids)})")
         session = session_of(request, req.session_id)
         fields = lambda f: _renamed(f, "token_ids", False, sampling_prefix="sampling_params.")  # noqa: E731
         codec = serving.codec(api) if req.output_mode == "text" else None
@@ -589,6 +605,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 choice = {"index": index, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
                           "weight_versions": _spans(c), "stop_reason": None,
                           "logprobs": entries(c.token_ids, c.logprobs, c.top_logprobs, c.ranks)}
+                if c.routed_experts is not None:
+                    choice["routed_experts"] = _routed_experts(c, params.routed_experts_prompt_start or 0)
                 if codec is not None:
                     choice["text"], choice["stop_reason"] = codec.finished_text(
                         c, stops, params.stop_token_ids or [], params.include_stop_str_in_output,

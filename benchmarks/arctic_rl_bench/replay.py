@@ -114,7 +114,7 @@ def mismatch(moe_dir: str, dense_dir: str, prompts, sampling: dict) -> dict:
             native = backend.log_probs(_without_routes(seqs))
             row = {"tokens": sum(len(c.token_ids) for c in completions), "gap_off": _gap(native.logprobs, sampler_lp)}
             if name == "moe":
-                layers = [layer.index for layer in backend.engine.router_replay.layers]
+                layers = list(backend.engine.replay_shape.moe_layers)
                 replayed = backend.log_probs(seqs)
                 row.update(gap_on=_gap(replayed.logprobs, sampler_lp),
                            flipped_off=_flipped(native.routed_experts, [s.routed_experts for s in seqs], layers),
@@ -147,7 +147,7 @@ def grpo(model_dir: str, replay: str, prompts, sampling: dict, steps: int, learn
             stats = _ratio_stats(before.logprobs, sampler_lp)
             if replay != "off":  # the same batch through the trainer's own routers: what replay removed this step
                 native = backend.log_probs(_without_routes(seqs))
-                layers = [layer.index for layer in backend.engine.router_replay.layers]
+                layers = list(backend.engine.replay_shape.moe_layers)
                 stats.update({f"{k}_native": v for k, v in _ratio_stats(native.logprobs, sampler_lp).items()},
                              flipped_native=_flipped(native.routed_experts, [s.routed_experts for s in seqs], layers))
             t0 = time.perf_counter()

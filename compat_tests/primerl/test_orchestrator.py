@@ -28,7 +28,7 @@ RUN_TIMEOUT_S = 600
 BIN = Path(sys.executable).parent
 
 
-def _configs(work: Path, model: str, url: str, transport: str) -> dict[str, Path]:
+def _configs(work: Path, model: str, url: str, transport: str, replay: bool) -> dict[str, Path]:
     """The three TOMLs: the env server's, the orchestrator's (no [trainer], no [inference]) and the trainer's."""
     out, env_address = work / "run", f"tcp://127.0.0.1:{free_port()}"
     shared = (f'output_dir = "{out}"\nmax_steps = {STEPS}\n[model]\nname = "{model}"\n'
@@ -48,7 +48,7 @@ def _configs(work: Path, model: str, url: str, transport: str) -> dict[str, Path
                          '[[train.source]]\nname = "letters"\n' + env.replace("[env.", "[train.source.env.")
                          + f'[train.source.serve]\naddress = "{env_address}"\n[weight_broadcast]\ntype = "filesystem"\n'
                          "[concurrency]\nmax_inflight = 32\n"),
-        "trainer": f"{shared}[optim]\nlr = {LEARNING_RATE}\n",
+        "trainer": ("enable_router_replay = true\n" if replay else "") + f"{shared}[optim]\nlr = {LEARNING_RATE}\n",
     }
     paths = {}
     for name, text in texts.items():
@@ -57,9 +57,9 @@ def _configs(work: Path, model: str, url: str, transport: str) -> dict[str, Path
     return paths
 
 
-def _run(work: Path, model: str, url: str, transport: str) -> dict[str, int]:
+def _run(work: Path, model: str, url: str, transport: str, replay: bool = False) -> dict[str, int]:
     """The env server, the orchestrator and the trainer until the last two end; each one's exit code."""
-    configs = _configs(work, model, url, transport)
+    configs = _configs(work, model, url, transport, replay)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.getcwd()])}
     commands = {"env": [BIN / "env-server", "@", configs["env"]],
@@ -123,3 +123,22 @@ def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, sampler, tin
         assert derived and int(derived.group(1)) > 1, logs["orchestrator"][-3000:]
     sent = sorted(p.name for p in (run / "rollouts").glob("step_*/rank_0.bin")) if (run / "rollouts").exists() else []
     assert (len(sent) == STEPS) if transport == "filesystem" else sent == []
+
+
+def test_prime_rls_orchestrator_and_trainer_with_router_replay_on_a_tiny_moe(tmp_path):
+    """prime-rl's own configs with `enable_router_replay` on a tiny Qwen3-MoE, the job replaying (R3): the
+    orchestrator reads each turn's routing off the server's token route, its packer carries it to the trainer, and
+    every trained sample replays it (the trainer refuses a batch without routes); six steps publish."""
+    from compat_tests.main_server import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "tiny-qwen3-moe"), "--family", "qwen3_moe", "--max-positions", "1024")
+    engine = {"learning_rate": LEARNING_RATE, "weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0}
+    (tmp_path / "server").mkdir()
+    job = {"model_path": model, "engine": engine, "sampler": {"name": "transformers"}, "router_replay": "R3"}
+    with serving(job, tmp_path / "server") as url:
+        codes = _run(tmp_path, model, url, "filesystem", replay=True)
+    logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}
+    assert codes == {"orchestrator": 0, "trainer": 0}, (codes, logs["orchestrator"][-3000:], logs["trainer"][-3000:])
+    records = [json.loads(line) for line in (tmp_path / "run" / "arctic_rl_trainer.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["replayed_samples"] == r["samples"] == 32 for r in records), records

@@ -101,16 +101,46 @@ def test_the_reader_gives_back_every_sample_prime_rl_packed_grouped_by_prompt():
     assert batch.envs == {"env0": 8, "env1": 4}
 
 
-def test_what_the_trainer_cannot_do_is_refused_by_field_before_any_work():
+def routed(samples, layers: int = 2, top_k: int = 2, experts: int = 4, seed: int = 0):
+    """The samples with routed experts as verifiers attaches them: one uint8 row per token, distinct experts."""
+    import numpy as np
     from prime_rl.transports.rollouts.types import RoutedExperts
 
+    rng = np.random.default_rng(seed)
+    for sample in samples:
+        ids = np.argsort(rng.random((len(sample.token_ids), layers, experts)), axis=-1)[..., :top_k].astype(np.uint8)
+        sample.routed_experts = RoutedExperts(data=ids.tobytes(), shape=list(ids.shape), dtype="uint8")
+    return samples
+
+
+def test_with_router_replay_each_sequence_carries_its_samples_routed_experts_from_prime_rls_packer():
+    import numpy as np
+
+    samples = routed(training_samples(2))
+    grid = packed(samples)
+    want = {tuple(s.token_ids): np.frombuffer(s.routed_experts.data, np.uint8).reshape(s.routed_experts.shape)
+            for s in samples}
+    sequences = step_batch(decode(encoded(grid[0])), VOCAB, replay=True).by_temperature[1.0]
+    assert len(sequences) == len(samples)
+    for seq in sequences:
+        assert np.array_equal(seq.routed_experts.array(), want[tuple(seq.prompt_ids + seq.response_ids)])
+    # Replay off: prime-rl's trainer drops the routes, and so does this one.
+    assert all(s.routed_experts is None for s in step_batch(decode(encoded(grid[0])), VOCAB).by_temperature[1.0])
+    # Replay on and a row without routes (its inference server returned none): refused by field.
+    plain = packed(training_samples(2))
+    with pytest.raises(InvalidRequest, match="enable_router_replay") as err:
+        step_batch(decode(encoded(plain[0])), VOCAB, replay=True)
+    assert err.value.field == "micro_batches[0].routed_experts"
+    row = grid[0][0]
+    row.routed_experts.shape = [row.routed_experts.shape[0] - 1, *row.routed_experts.shape[1:]]
+    with pytest.raises(InvalidRequest) as err:
+        step_batch(decode(encoded(grid[0])), VOCAB, replay=True)
+    assert err.value.field == "micro_batches[0].routed_experts.shape"
+
+
+def test_what_the_trainer_cannot_do_is_refused_by_field_before_any_work():
     grid = packed(training_samples(1))
     row = grid[0][0]
-    row.routed_experts = RoutedExperts(data=b"\0" * 4 * len(row.input_ids), shape=[len(row.input_ids), 1, 1], dtype="int32")
-    with pytest.raises(InvalidRequest) as err:
-        step_batch(decode(encoded(grid[0])), VOCAB)
-    assert err.value.field == "micro_batches[0].routed_experts"
-    row.routed_experts = None
     row.rl_weights = [0.5] * len(row.input_ids)
     with pytest.raises(InvalidRequest, match="only weights 0 and 1") as err:
         step_batch(decode(encoded(grid[0])), VOCAB)
@@ -329,6 +359,84 @@ def test_the_trainer_trains_what_prime_rl_sends_with_prime_rls_loss_and_publishe
         assert json.loads((folder / "arctic_rl.json").read_text()) == {"step": step, "weight_version": weight_version}
     assert all(r["computed_tokens"] < r["unshared_tokens"] for r in records)
     assert records[0]["samples"] == 12 and records[0]["trained_tokens"] == sum(sum(mb.loss_mask) for mb in first)
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory):
+    """A tiny Qwen3-MoE job replaying routing (R3): its transformers sampler records each completion's routes."""
+    from arctic_rl_core.models.tiny import make_tiny_model
+    from compat_tests.main_server import serving
+
+    work = tmp_path_factory.mktemp("moe-server")
+    model = make_tiny_model("qwen3_moe", str(work / "model"), max_positions=256)
+    job = {"model_path": model, "sampler": {"name": "transformers"}, "router_replay": "R3",
+           "engine": {"learning_rate": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0}}
+    with serving(job, work) as url:
+        yield url, model
+
+
+def test_enable_router_replay_trains_on_the_samplers_routing(moe_server, tmp_path):
+    """prime-rl's trainer config with `enable_router_replay`: batches prime-rl packs from samples whose routes the
+    job's sampler recorded train with those routes (the trainer's routing is the sampler's: log-probs replaying them
+    equal the sampled ones), and its loss is prime-rl's on those log-probs."""
+    import numpy as np
+    from prime_rl.configs.trainer import DefaultLossConfig
+    from prime_rl.transports.rollouts import FileSystemMicroBatchSender
+    from prime_rl.transports.rollouts.types import RoutedExperts, TrainingSample
+
+    from arctic_rl_core.client import ArcticRLClient
+    from arctic_rl_primerl.trainer import Settings, run
+
+    url, model = moe_server
+    client = ArcticRLClient(url, retries=0)
+    assert client.status()["backend"]["router_replay"] == "R3"
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    completions = client.generate([prompt], {"n": 4, "max_tokens": 6, "seed": 3, "ignore_eos": True})
+    samples = []
+    for i, c in enumerate(completions):
+        tokens = prompt + c.token_ids
+        routes = c.routed_experts.array()
+        routes = np.concatenate([routes, routes[-1:]]).astype(np.uint8)  # verifiers repeats the last row
+        samples.append(TrainingSample(
+            token_ids=tokens, mask=[False] * len(prompt) + [True] * len(c.token_ids),
+            logprobs=[0.0] * len(prompt) + c.logprobs, temperatures=[1.0] * len(tokens), env_name="env",
+            advantages=[0.0] * len(prompt) + [1.0 - i] * len(c.token_ids),
+            routed_experts=RoutedExperts(data=routes.tobytes(), shape=list(routes.shape), dtype="uint8")))
+    grid = packed(samples)
+    sequences = step_batch(decode(encoded(grid[0])), VOCAB * 10, replay=True).by_temperature[1.0]
+    scored = client.log_probs(sequences)
+    for seq, taken, lp in zip(sequences, scored.routed_experts, scored.logprobs):
+        assert np.array_equal(taken.array(), seq.routed_experts.array())  # the trainer routed as the sampler did
+        sampled = next(c for c in completions if prompt + c.token_ids == seq.prompt_ids + seq.response_ids)
+        np.testing.assert_allclose(lp, sampled.logprobs, atol=2e-5)
+    trainer_logprobs = []
+    by_tokens = {tuple(s.prompt_ids + s.response_ids): (len(s.prompt_ids), lp) for s, lp in zip(sequences, scored.logprobs)}
+    for mb in grid[0]:
+        row = [0.0] * len(mb.input_ids)
+        starts = [i for i, p in enumerate(mb.position_ids) if p == 0] + [len(mb.input_ids)]
+        for a, b in zip(starts, starts[1:]):
+            found = by_tokens.get(tuple(mb.input_ids[a:b]))
+            if found is not None:
+                row[a + found[0]:b] = found[1]
+        trainer_logprobs.append(torch.tensor(row))
+    expected = float(_prime_rl_loss(grid[0], trainer_logprobs, DefaultLossConfig()))
+
+    async def send():
+        await FileSystemMicroBatchSender(tmp_path, 1, current_step=1).send(grid)
+    asyncio.run(send())
+    assert run(_trainer_config(model, tmp_path, 1, enable_router_replay=True), Settings(url)) == 1
+    import json
+    record = json.loads((tmp_path / "arctic_rl_trainer.jsonl").read_text().splitlines()[0])
+    assert abs(record["loss"] - expected) <= 1e-5 * max(1.0, abs(expected)), (record["loss"], expected)
+
+
+def test_enable_router_replay_on_a_job_that_does_not_replay_is_refused_at_start_up(trainer_server, tiny_model, tmp_path):
+    from arctic_rl_core.attach import ArcticSetupError
+    from arctic_rl_primerl.trainer import Settings, run
+
+    with pytest.raises(ArcticSetupError, match="enable_router_replay: the Arctic RL job replays no routing"):
+        run(_trainer_config(tiny_model, tmp_path, 1, enable_router_replay=True), Settings(trainer_server))
+    assert not (tmp_path / "broadcasts").exists()
 
 
 def test_a_config_the_trainer_cannot_follow_stops_it_before_any_step_naming_each_field(trainer_server, tiny_model,

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+import numpy as np
+
 from arctic_rl_core.errors import InvalidRequest
+from arctic_rl_core.types import RoutedExperts as Routes
 from arctic_rl_core.types import Sequence
 
 
@@ -57,7 +60,6 @@ DECODER = msgspec.msgpack.Decoder(type=list[MicroBatch])
 
 PER_TOKEN = ("loss_mask", "advantages", "inference_logprobs", "position_ids", "temperatures", "env_names")
 REFUSED = {
-    "routed_experts": "router replay (MoE routed experts from inference) is not supported: the trainer routes itself",
     "mm_kwargs": "multimodal inputs are not supported",
     "mm_token_type_ids": "multimodal inputs are not supported",
     "ce_weights": "the cross-entropy loss component (ce_weights) is not supported: train it with the sft loss",
@@ -76,6 +78,25 @@ class Sample:
     temperatures: list[float]
     env_name: str
     where: str
+    routes: np.ndarray | None = None
+    """[tokens, layers, top_k]: the experts the sampler routed each token to (router replay)."""
+
+
+_ROUTE_DTYPES = ("uint8", "int8", "uint16", "int16", "int32", "int64")
+
+
+def _routes(batch: MicroBatch, where: str) -> np.ndarray:
+    """A row's routed experts ([tokens, layers, top_k], prime-rl's raw bytes) as an array, checked."""
+    routes, n = batch.routed_experts, len(batch.input_ids)
+    if routes.dtype not in _ROUTE_DTYPES:
+        raise InvalidRequest(f"{where}.routed_experts.dtype", f"is {routes.dtype!r}; expected one of {', '.join(_ROUTE_DTYPES)}")
+    if len(routes.shape) != 3 or routes.shape[0] != n or min(routes.shape) < 1:
+        raise InvalidRequest(f"{where}.routed_experts.shape", f"is {routes.shape}; expected [{n} tokens, layers, top_k]")
+    dtype = np.dtype(routes.dtype)
+    if len(routes.data) != int(np.prod(routes.shape)) * dtype.itemsize:
+        raise InvalidRequest(f"{where}.routed_experts.data", f"holds {len(routes.data)} bytes, not shape {routes.shape} "
+                             f"of {routes.dtype}")
+    return np.frombuffer(routes.data, dtype=dtype).reshape(routes.shape)
 
 
 @dataclass
@@ -105,11 +126,19 @@ def decode(payload: bytes | memoryview) -> list[MicroBatch]:
         raise InvalidRequest("micro_batches", f"is not a prime-rl list[MicroBatch] message: {err}") from None
 
 
-def samples_of(batch: MicroBatch, where: str) -> list[Sample]:
-    """Split a packed row on its position resets (a reset starts a sample; padding is a sample of its own)."""
+def samples_of(batch: MicroBatch, where: str, replay: bool = False) -> list[Sample]:
+    """Split a packed row on its position resets (a reset starts a sample; padding is a sample of its own). With
+    `replay` (prime-rl's `enable_router_replay`) each sample keeps its span of the row's routed experts; without,
+    they are dropped, as prime-rl's trainer drops them."""
     for name, reason in REFUSED.items():
         if getattr(batch, name) is not None:
             raise InvalidRequest(f"{where}.{name}", reason)
+    routes = None
+    if replay:
+        if batch.routed_experts is None:
+            raise InvalidRequest(f"{where}.routed_experts", "is missing: enable_router_replay is set, so the inference "
+                                 "server must return routed experts (the Arctic RL job's router_replay: R3)")
+        routes = _routes(batch, where)
     n = len(batch.input_ids)
     for name in PER_TOKEN:
         if len(getattr(batch, name)) != n:
@@ -128,15 +157,17 @@ def samples_of(batch: MicroBatch, where: str) -> list[Sample]:
         raise InvalidRequest(f"{where}.position_ids", "a packed row starts with position 0")
     bounds = list(zip(starts, starts[1:] + [n]))
     return [Sample(batch.input_ids[a:b], mask[a:b], batch.advantages[a:b], batch.inference_logprobs[a:b],
-                   batch.temperatures[a:b], batch.env_names[a], f"{where}.input_ids[{a}:{b}]") for a, b in bounds]
+                   batch.temperatures[a:b], batch.env_names[a], f"{where}.input_ids[{a}:{b}]",
+                   None if routes is None else routes[a:b]) for a, b in bounds]
 
 
-def step_batch(micro_batches: list[MicroBatch], vocab_size: int | None = None) -> StepBatch:
-    """Every micro-batch of a rank's step as sequences grouped by exact prompt, checked before any work."""
+def step_batch(micro_batches: list[MicroBatch], vocab_size: int | None = None, replay: bool = False) -> StepBatch:
+    """Every micro-batch of a rank's step as sequences grouped by exact prompt, checked before any work; with
+    `replay`, each sequence carries its routed experts."""
     out = StepBatch()
     groups: dict[tuple[int, ...], int] = {}
     for index, batch in enumerate(micro_batches):
-        for sample in samples_of(batch, f"micro_batches[{index}]"):
+        for sample in samples_of(batch, f"micro_batches[{index}]", replay):
             sequence, temperature = _sequence(sample, groups, vocab_size)
             if sequence is None:
                 continue
@@ -167,6 +198,7 @@ def _sequence(sample: Sample, groups: dict[tuple[int, ...], int], vocab_size: in
     group = groups.setdefault(prompt, len(groups))
     sequence = Sequence(prompt_ids=list(prompt), response_ids=sample.token_ids[first:], group_id=group,
                         advantages=sample.advantages[first:], behaviour_logprobs=sample.logprobs[first:],
-                        loss_mask=[1.0 if m else 0.0 for m in sample.loss_mask[first:]])
+                        loss_mask=[1.0 if m else 0.0 for m in sample.loss_mask[first:]],
+                        routed_experts=None if sample.routes is None else Routes.of(sample.routes))
     sequence.check(sample.where)
     return sequence, temperature

@@ -65,8 +65,6 @@ def refusals(config) -> list[tuple[str, str]]:
         out.append(("model.lora", "LoRA training is not supported: the Arctic RL job trains every parameter"))
     if config.model.vlm is not None:
         out.append(("model.vlm", "multimodal models are not supported"))
-    if config.enable_router_replay:
-        out.append(("enable_router_replay", "router replay is not supported"))
     if config.ckpt is not None or config.resume is not None:
         field = "ckpt" if config.ckpt is not None else "resume"
         out.append((field, "checkpoints are the Arctic RL server's (POST /v1/checkpoints/save): leave it unset"))
@@ -88,8 +86,12 @@ def connect(config, settings: Settings) -> tuple[ArcticRLClient, int]:
     client, status = attach.reach(settings.url, settings.token_env, settings.timeout_s, KEYS)
     optim = config.optim
     ours = attach.optimizer_settings(optim.weight_decay, (optim.betas1, optim.betas2), optim.max_norm)
-    job = {"model_path": config.model.name, "engine": {"learning_rate": optim.lr, **ours}}
+    job = {"model_path": config.model.name, "engine": {"learning_rate": optim.lr, **ours},
+           **({"router_replay": "R3", "sampler": {"name": "transformers"}} if config.enable_router_replay else {})}
     status = attach.start_or_get_job(client, status, job)
+    if config.enable_router_replay and status["backend"].get("router_replay", "off") == "off":
+        raise ArcticSetupError("enable_router_replay: the Arctic RL job replays no routing; start the server's job with "
+                               "router_replay: R3 (and a sampler that records it)")
     hf_config = AutoConfig.from_pretrained(config.model.name, trust_remote_code=config.model.trust_remote_code)
     attach.check_model(config.model.name, hf_config.to_dict(), status, KEYS)
     attach.check_optimizer(ours, status, OPTIMIZER_NAMES, KEYS)
@@ -133,7 +135,8 @@ def train_step(client: ArcticRLClient, config, batch: StepBatch) -> dict:
     trained = time.perf_counter()
     client.step()
     version = client.sync_weights()
-    return {"loss": loss, "samples": batch.samples, "trained_tokens": batch.num_tokens,
+    replayed = sum(s.routed_experts is not None for seqs in batch.by_temperature.values() for s in seqs)
+    return {"loss": loss, "samples": batch.samples, "replayed_samples": replayed, "trained_tokens": batch.num_tokens,
             "computed_tokens": int(computed), "unshared_tokens": batch.unshared_tokens,
             "fwd_bwd_s": trained - started, "step_sync_s": time.perf_counter() - trained,
             "weight_version": version, **{f"loss/{k}": v for k, v in metrics.items()}}
@@ -156,7 +159,7 @@ def run(config, settings: Settings, stop: threading.Event | None = None,
             micro_batches = receiver.receive(step, stop.is_set)
             if micro_batches is None:
                 break
-            batch = step_batch(micro_batches, vocab_size)
+            batch = step_batch(micro_batches, vocab_size, replay=config.enable_router_replay)
             if not batch.samples:
                 raise ArcticSetupError(f"step {step}: the orchestrator's batch holds no trainable token")
             record = {"step": step, "wait_s": time.perf_counter() - waited, **train_step(client, config, batch)}
