@@ -164,7 +164,7 @@ class SamplerConfig(_Config):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     capture_tokens: int = Field(64 * 2**20, ge=1)
     """Tokens of captured episodes (generate calls with a session) kept until collected; past it the least
-    recently used episodes are evicted."""
+    recently used episodes are evicted. A turn's routing record (router replay) counts one token per expert id."""
     sleep_during_training: bool = False
     """Release the KV cache (vLLM sleep mode) during fwd_bwd and step; for colocated GPUs, not with pipelining.
     vLLM's CPU build ignores it."""

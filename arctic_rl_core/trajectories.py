@@ -4,7 +4,8 @@ A generate call that names a session records each prompt's token ids and each
 completion's token ids, log-probs and weight version as turns of that episode.
 Episodes are kept until released; past the token budget the least recently
 used are evicted (counted in `status`), so a harness that never collects its
-episodes cannot exhaust the server's memory.
+episodes cannot exhaust the server's memory. A turn's routing record (router
+replay) counts one token per expert id: it is layers x top-k times its tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class TrajectoryStore:
                       finish_reason=c.finish_reason, weight_version=c.weight_version, token_versions=c.token_versions,
                       routed_experts=c.routed_experts, cancelled=cancelled)
                  for c in completions]
-        size = sum(len(t.prompt_ids) + len(t.token_ids) for t in turns)
+        size = sum(len(t.prompt_ids) + len(t.token_ids) + (len(t.routed_experts.ids) if t.routed_experts else 0)
+                   for t in turns)
         with self._lock:
             self._episodes.setdefault(session, []).extend(turns)
             self._episodes.move_to_end(session)

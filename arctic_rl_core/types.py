@@ -77,8 +77,9 @@ class _Strict(BaseModel):
 class RoutedExperts(_Strict):
     """The experts each token of a sequence was routed to, per mixture-of-experts layer (router replay, R3/R2;
     docs/losses.md): `[tokens, layers, top_k]` expert ids, flattened in that order so the whole record travels as
-    one integer array. Tokens are the prompt's then the response's, from the first; a record may stop one token
-    short (vLLM forwards every token but the last sampled one, whose output no log-prob reads). `layers` is the
+    one integer array. Tokens are the prompt's then the response's, from the first. A record may stop short of the
+    sequence's end, not before the position that predicts its last trained token (vLLM forwards every token but the
+    last sampled one, whose output no log-prob reads): tokens past it route natively. `layers` is the
     model's decoder layer count (`num_hidden_layers`), the axis its absolute index; a dense layer's rows are
     ignored."""
 
@@ -96,10 +97,15 @@ class RoutedExperts(_Strict):
 
     @classmethod
     def of(cls, routes: np.ndarray) -> "RoutedExperts":
-        """From a [tokens, layers, top_k] integer array."""
+        """From a [tokens, layers, top_k] integer array, in the narrowest unsigned type that holds it (uint8 up to
+        256 experts), which the wire format keeps."""
         routes = np.asarray(routes)
-        return cls(ids=routes.reshape(-1).astype(np.int32 if routes.size and routes.max() < 2**31 else np.int64),
-                   layers=routes.shape[1], top_k=routes.shape[2])
+        top = int(routes.max()) if routes.size else 0
+        if routes.size and routes.min() < 0:
+            dtype = np.int64  # refused by the model's check, named there
+        else:
+            dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.int64
+        return cls(ids=routes.reshape(-1).astype(dtype), layers=routes.shape[1], top_k=routes.shape[2])
 
 
 class Sequence(_Strict):
@@ -180,9 +186,11 @@ class Sequence(_Strict):
             if len(routes.ids) % (routes.layers * routes.top_k):
                 raise InvalidRequest(f"{where}.routed_experts.ids", f"has {len(routes.ids)} ids, not a whole number of "
                                      f"tokens of {routes.layers} layers x {routes.top_k} experts")
-            if routes.tokens not in (tokens - 1, tokens):
-                raise InvalidRequest(f"{where}.routed_experts", f"routes {routes.tokens} tokens; the sequence has {tokens} "
-                                     f"(a record covers every token, or every token but the last)")
+            trained = np.flatnonzero(np.asarray(self.loss_mask)) if self.loss_mask is not None else [n - 1]
+            needed = len(self.prompt_ids) + (int(trained[-1]) if len(trained) else 0)
+            if not needed <= routes.tokens <= tokens:
+                raise InvalidRequest(f"{where}.routed_experts", f"routes {routes.tokens} tokens; the sequence has {tokens}, "
+                                     f"and its trained tokens' log-probs read the first {needed}")
 
 
 class ProcessorSpec(_Strict):

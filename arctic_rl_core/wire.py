@@ -2,7 +2,8 @@
 
 A message is JSON-shaped data in which every flat numeric array (of at least
 8 numbers; numpy arrays always) travels as a tensor: Python floats as float32,
-the precision the engines compute in, integers as int32 when they fit. The safetensors header's `__metadata__` holds the JSON structure
+the precision the engines compute in, integers as int32 when they fit; numpy
+arrays of small integers (uint8, uint16, int16: routing records) keep their width. The safetensors header's `__metadata__` holds the JSON structure
 (`"arctic_rl"`) and the format version; inside it, an array is the reference
 `{"$t": name, "o": offset, "n": length}` to elements of the 1-D tensor
 `name`. All arrays at the same field path (say every sequence's `prompt_ids`)
@@ -30,7 +31,10 @@ from arctic_rl_core.errors import InvalidRequest
 
 MEDIA_TYPE = "application/x-arctic-rl-safetensors"
 VERSION = "1"
-_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
+_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+           "U8": np.dtype("u1"), "U16": np.dtype("<u2"), "I16": np.dtype("<i2")}
+_COMPACT = {np.dtype("u1"), np.dtype("<u2"), np.dtype("<i2")}
+"""Integer widths a numpy array keeps on the wire (a group of them all the same width)."""
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _MAX_HEADER_BYTES = 64 * 2**20
 _MAX_DEPTH = 64
@@ -96,6 +100,8 @@ def encode_parts(message: Any) -> Encoded:
             # numpy arrays keep their precision (f16 widens to f32, unsigned to i64)
             if value.dtype.kind == "f":
                 return value.reshape(-1).astype(np.float64 if value.dtype.itemsize == 8 else np.float32, copy=False)
+            if value.dtype.newbyteorder("<") in _COMPACT:
+                return value.reshape(-1)
             return value.reshape(-1).astype(np.int64, copy=False)
         if len(value) < _MIN_TENSOR_ELEMENTS or not set(map(type, value)) <= {int, float}:
             return None  # bools, None, strings or nested values: stays JSON
@@ -126,7 +132,7 @@ def encode_parts(message: Any) -> Encoded:
     tensors = {}
     for key, arrays in groups.items():
         flat = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-        if flat.dtype.kind in "iu":
+        if flat.dtype.kind in "iu" and flat.dtype.newbyteorder("<") not in _COMPACT:
             small = flat.size == 0 or (flat.min() >= -(2**31) and flat.max() < 2**31)
             flat = flat.astype(np.int32 if small else np.int64, copy=False)
         tensors[key] = np.ascontiguousarray(flat)

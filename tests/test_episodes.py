@@ -114,3 +114,15 @@ def test_capture_evicts_the_least_recently_used_episodes_past_its_budget():
     assert len(store.episode("a").turns) == 2
     with pytest.raises(UnknownSession, match="'b'"):
         store.episode("b")
+
+
+def test_a_turns_routing_record_counts_toward_the_capture_budget():
+    from arctic_rl_core.types import RoutedExperts
+
+    store = TrajectoryStore(max_tokens=60)
+    routed = _completion([4, 5]).model_copy(update={"routed_experts": RoutedExperts(ids=[0, 1] * 8, layers=2, top_k=2)})
+    store.record("a", [[1, 2, 3]], [routed])  # 5 tokens + 16 expert ids
+    assert store.describe()["tokens"] == 21
+    store.record("b", [[1, 2, 3]], [routed])
+    store.record("c", [[1, 2, 3]], [routed])  # past 60: the oldest episode goes
+    assert store.describe()["episodes"] == 2 and store.describe()["evicted"] == 1

@@ -201,3 +201,23 @@ def test_the_token_route_returns_routes_as_prime_rl_reads_them_and_sessions_keep
         bad = httpx.post(f"{url}/inference/v1/generate", json={
             **body, "sampling_params": {**body["sampling_params"], "routed_experts_prompt_start": len(PROMPT) + 1}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.routed_experts_prompt_start"
+
+
+@pytest.mark.parametrize("replays", [True, False])
+def test_the_reference_replays_only_where_the_job_asks(moe_model, replays):
+    backend = InProcessBackend({"model_path": moe_model, "sampler": {"name": "transformers"}, "router_replay": "R3",
+                                "reference": {"enable": True, "router_replay": replays}})
+    try:
+        _, seqs = _sampled(backend)
+        forced = [_other_routes(s, backend.engine.router_replay.experts, seed=i) for i, s in enumerate(seqs)]
+        own = backend.log_probs([s.model_copy(update={"routed_experts": None}) for s in seqs], source="reference")
+        given = backend.log_probs(forced, source="reference")
+        policy = backend.log_probs(forced)  # the policy is the reference's weights: replaying, the same numbers
+        moved = max(abs(a - b) for x, y in zip(own.logprobs, given.logprobs) for a, b in zip(x, y))
+        if replays:
+            assert moved > 1e-3
+            np.testing.assert_allclose(np.concatenate(given.logprobs), np.concatenate(policy.logprobs), atol=1e-5)
+        else:
+            assert moved < 1e-5  # its own routing (verl replays the policy only); packed otherwise, so not bit for bit
+    finally:
+        backend.close()

@@ -31,7 +31,8 @@ def served(tiny_model, tmp_path_factory):
     deadlines runs servers of its own."""
     root = tmp_path_factory.mktemp("checkpoints")
     limits = RequestLimits(prompts_per_call=8, samples_per_prompt=4, max_tokens=16, stop_strings=2,
-                           stop_string_chars=32, generated_tokens_per_call=200, sequences_per_call=32)
+                           stop_string_chars=32, generated_tokens_per_call=200, sequences_per_call=32,
+                           routed_expert_ids_per_call=1000)
     config = BackendConfig(model_path=tiny_model, engine={"learning_rate": 1e-3, "micro_batch_tokens": 40},
                            sampler=LIGHT_SAMPLER)
     with ServerThread(ServerSettings(port=free_loopback_port(), token=TOKEN, max_request_bytes=4 * 2**20,
@@ -256,6 +257,15 @@ def test_training_calls_are_capped_by_sequence_count(served, client, trained):
     error = refused(post(served["url"], "fwd_bwd", {"sequences": [s.model_dump() for s in batch], "loss": {"name": "grpo"}}),
                     413, "sequences")
     assert "sequences_per_call" in error["message"]
+    assert state(client) == trained
+
+
+def test_training_calls_are_capped_by_routing_record_size(served, client, trained):
+    batch = grpo_batch(groups=2, group_size=2)
+    records = [{"ids": [0, 1] * (64 * (len(s.prompt_ids) + len(s.response_ids))), "layers": 32, "top_k": 4} for s in batch]
+    body = {"sequences": [{**s.model_dump(), "routed_experts": r} for s, r in zip(batch, records)], "loss": {"name": "grpo"}}
+    error = refused(post(served["url"], "fwd_bwd", body), 413, "sequences")  # before the model sees a record
+    assert "routed_expert_ids_per_call" in error["message"]
     assert state(client) == trained
 
 

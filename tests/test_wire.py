@@ -59,6 +59,21 @@ def test_interoperates_with_the_safetensors_library():
     assert decode(theirs) == {"q": [2, 3, 4]}  # and we read what it writes
 
 
+def test_small_integer_arrays_keep_their_width_and_the_library_reads_them():
+    routes = [np.arange(24, dtype=np.uint8) % 7, np.arange(16, dtype=np.uint8)]  # routing records: one byte an id
+    wide = np.arange(300, 320, dtype=np.uint16)
+    body = encode({"r": [{"ids": r} for r in routes], "w": wide, "s": np.arange(-8, 8, dtype=np.int16)})
+    tensors = load(body)
+    assert tensors["r.*.ids"].dtype == np.uint8 and tensors["r.*.ids"].size == 40
+    assert tensors["w"].dtype == np.uint16 and tensors["s"].dtype == np.int16
+    back = decode(body, arrays=True)
+    assert [a.dtype for a in (back["r"][0]["ids"], back["w"], back["s"])] == [np.uint8, np.uint16, np.int16]
+    assert back["r"][1]["ids"].tolist() == list(range(16)) and back["s"].tolist() == list(range(-8, 8))
+    # Mixed with plain lists at the same path, the group widens as before.
+    mixed = load(encode({"r": [{"ids": routes[0]}, {"ids": list(range(300, 310))}]}))
+    assert mixed["r.*.ids"].dtype == np.int32
+
+
 def test_streamed_parts_equal_the_whole_body():
     parts = wire.encode_parts({"x": np.arange(100, dtype=np.float32), "y": list(range(50))})
     assert b"".join(bytes(p) for p in parts) == parts.tobytes() and len(parts) == len(parts.tobytes())

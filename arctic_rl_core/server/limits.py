@@ -30,6 +30,8 @@ class RequestLimits:
     """Sequences in one fwd_bwd or log_probs."""
     tokens_per_call: int = 16_777_216
     """Prompt + response tokens in one fwd_bwd, log_probs or generate call."""
+    routed_expert_ids_per_call: int = 268_435_456
+    """Expert ids of the sequences' routing records (router replay) in one fwd_bwd or log_probs call."""
     serving_body_bytes: int = 64 * 2**20
     """A body on the OpenAI- and vLLM-compatible routes: text to tokenize and render is work."""
 
@@ -44,6 +46,8 @@ class RequestLimits:
             seqs = query.sequences
             self._cap("sequences", len(seqs), "sequences_per_call")
             self._cap("sequences", sum(len(s.prompt_ids) + len(s.response_ids) for s in seqs), "tokens_per_call")
+            self._cap("sequences", sum(len(s.routed_experts.ids) for s in seqs if s.routed_experts is not None),
+                      "routed_expert_ids_per_call")
 
     def _generate(self, query) -> None:
         sampling = query.sampling

@@ -90,6 +90,17 @@ def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_pa
     assert metric(log, "actor/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
 
 
+def test_main_ppo_with_router_replay_r3_replays_every_sampled_sequence(moe_server, tmp_path):
+    """verl's R3 (`router_replay.mode=R3`, `rollout.enable_rollout_routing_replay`): every sequence of every update
+    carries the routing the job's sampler recorded, through verl's agent loop and batches."""
+    model, url = moe_server
+    log = run_documented("main_ppo_r3", model, url, tmp_path, STEPS)
+    assert metric(log, "actor/arctic/replayed_sequences") == [16.0] * STEPS, log[-3000:]
+    verl_loss, arctic_loss = metric(log, "actor/pg_loss"), metric(log, "actor/arctic/loss")
+    assert len(arctic_loss) == STEPS and all(ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
+                                             for ours, theirs in zip(arctic_loss, verl_loss))
+
+
 def run_python_module(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
 

@@ -46,10 +46,14 @@ def rendezvous():
     os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
-def worker_for(model_path: str, url: str, model_type: str = "language_model", **optim) -> TrainingWorker:
+def worker_for(model_path: str, url: str, model_type: str = "language_model", router_replay: str = "disabled",
+               **optim) -> TrainingWorker:
     """verl's TrainingWorker on the arctic_rl engine: the actor's (`language_model`) or the critic's (`value_model`)."""
+    from verl.workers.config.engine import EngineRouterReplayConfig
+
     engine = ArcticEngineConfig(url=url, use_dynamic_bsz=False, micro_batch_size_per_gpu=4,
-                                infer_micro_batch_size_per_gpu=4)
+                                infer_micro_batch_size_per_gpu=4,
+                                router_replay=EngineRouterReplayConfig(mode=router_replay))
     config = TrainingWorkerConfig(model_type=model_type, model_config=HFModelConfig(path=model_path, use_remove_padding=True),
                                   engine_config=engine, optimizer_config=OptimizerConfig(**{"lr": 1e-2, "clip_grad": 1.0, **optim}),
                                   checkpoint_config=CheckpointConfig())
@@ -479,3 +483,101 @@ def test_critic_values_and_value_loss_on_the_jobs_critic(tiny_model, server, cli
     assert client.state_digest() != digest
     after = client.values(sequences).values
     assert max(abs(a - b) for x, y in zip(after, served) for a, b in zip(x, y)) > 1e-4  # the critic trained
+
+
+def _moe_batch(client, routes_of) -> tuple[TensorDict, list]:
+    """Sampled GRPO groups in verl's no-padding layout, each row's `routed_experts` [prompt + response, layers,
+    top_k] int16 as verl's agent loop aligns the rollout's (rows past what the sampler recorded zero)."""
+    prompts = [[5 + g, 6, 7, 8, 9, 10 + g] for g in range(2)]
+    completions = client.generate(prompts, {"n": 3, "max_tokens": 5, "seed": 0, "ignore_eos": True})
+    rows = []
+    for c in completions:
+        prompt, response = torch.tensor(prompts[c.prompt_index]), torch.tensor(c.token_ids)
+        record = torch.from_numpy(routes_of(c).astype("int16"))
+        aligned = torch.zeros(len(prompt) + len(response), *record.shape[1:], dtype=torch.int16)
+        aligned[: len(record)] = record
+        rows.append(dict(prompts=prompt, responses=response, input_ids=torch.cat([prompt, response]),
+                         position_ids=torch.arange(len(prompt) + len(response)), routed_experts=aligned,
+                         response_mask=torch.ones(len(response), dtype=torch.int64), uid=f"uid-{c.prompt_index}"))
+    nested = lambda key: torch.nested.as_nested_tensor([r[key] for r in rows], layout=torch.jagged)  # noqa: E731
+    keys = ("prompts", "responses", "input_ids", "position_ids", "response_mask", "routed_experts")
+    td = TensorDict({k: nested(k) for k in keys}, batch_size=[len(rows)])
+    td["loss_mask"] = nested("response_mask")
+    td["uid"] = NonTensorStack(*[r["uid"] for r in rows])
+    tu.assign_non_tensor(td, temperature=1.0, calculate_entropy=True, compute_loss=False)
+    return td, completions
+
+
+def _update(worker, td, logprobs):
+    actor = ActorConfig(strategy="arctic_rl", rollout_n=3, ppo_mini_batch_size=2, ppo_micro_batch_size_per_gpu=4,
+                        use_kl_loss=False, loss_agg_mode="token-mean")
+    worker.set_loss_fn(partial(ppo_loss, config=actor))
+    td["old_log_probs"] = response_nested([torch.tensor(lp) for lp in logprobs])
+    td["advantages"] = response_nested([torch.full((len(lp),), float(a)) for lp, a in zip(logprobs, [1, -1, 0.5] * 2)])
+    tu.pop(td, "compute_loss")
+    tu.assign_non_tensor(td, global_batch_size=len(logprobs), mini_batch_size=len(logprobs), epochs=1, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
+    return tu.get(worker.train_mini_batch(td), "metrics")
+
+
+def test_router_replay_r3_replays_the_batchs_routes_in_verls_log_probs_and_update(moe_server):
+    """`router_replay.mode=R3`: the routes verl's rollout put in the batch are what the trainer routes by, in
+    compute_log_prob and in the update (checked with routes other than the sampler's, which move the log-probs)."""
+    import numpy as np
+
+    from arctic_rl_core.client import ArcticRLClient
+    from arctic_rl_core.types import RoutedExperts
+
+    model, url = moe_server
+    client = ArcticRLClient(url, retries=0)
+    rng = np.random.default_rng(0)
+
+    def other(c):  # random routes for the sampler's recorded tokens (distinct experts per token and layer)
+        shape = c.routed_experts.array().shape
+        return np.argsort(rng.random((*shape[:2], 4)), axis=-1)[..., : shape[2]]
+
+    td, completions = _moe_batch(client, other)
+    worker = worker_for(model, url, router_replay="R3")
+    out = worker.infer_batch(td.clone())
+    records = [RoutedExperts.of(r[: len(p) + len(c.token_ids) - 1].numpy())
+               for r, p, c in zip(td["routed_experts"].unbind(), td["prompts"].unbind(), completions)]
+    sequences = [Sequence(prompt_ids=p.tolist(), response_ids=c.token_ids, routed_experts=r)
+                 for p, c, r in zip(td["prompts"].unbind(), completions, records)]
+    replayed = client.log_probs(sequences)
+    native = client.log_probs([s.model_copy(update={"routed_experts": None}) for s in sequences])
+    moved = 0.0
+    for row, exp, own, p, c in zip(out["log_probs"].unbind(), replayed.logprobs, native.logprobs, td["prompts"].unbind(),
+                                   completions):
+        got = row[len(p) - 1 : len(p) - 1 + len(c.token_ids)]
+        assert torch.allclose(got, torch.tensor(exp), atol=1e-6)
+        moved = max(moved, float((got - torch.tensor(own)).abs().max()))
+    assert moved > 1e-3  # the batch's routes, not the trainer's own, were used
+    metrics = _update(worker, td, replayed.logprobs)
+    # The update's forward replayed the same routes: its log-probs are the old ones (without, they move by `moved`).
+    assert abs(as_float(metrics["actor/ppo_kl"])) < 1e-6 and as_float(metrics["actor/pg_clipfrac"]) == 0
+
+
+def test_router_replay_r2_records_in_compute_log_prob_and_replays_in_the_update(moe_server):
+    """`router_replay.mode=R2`: verl's compute_log_prob returns the routing the trainer took (`routed_experts`,
+    the key verl carries into the update's batch), and the update replays it."""
+    from arctic_rl_core.client import ArcticRLClient
+
+    model, url = moe_server
+    client = ArcticRLClient(url, retries=0)
+    td, completions = _moe_batch(client, lambda c: c.routed_experts.array())
+    del td["routed_experts"]  # R2: the rollout records nothing
+    worker = worker_for(model, url, router_replay="R2")
+    out = worker.infer_batch(td.clone())
+    sequences = [Sequence(prompt_ids=p.tolist(), response_ids=c.token_ids)
+                 for p, c in zip(td["prompts"].unbind(), completions)]
+    own = client.log_probs(sequences)
+    for row, taken, p, c in zip(out["routed_experts"].unbind(), own.routed_experts, td["prompts"].unbind(), completions):
+        assert row.shape[0] == len(p) + len(c.token_ids) and torch.equal(row.long(), torch.from_numpy(taken.array()))
+    td["routed_experts"] = out["routed_experts"]
+    metrics = _update(worker, td, own.logprobs)
+    assert abs(as_float(metrics["actor/ppo_kl"])) < 1e-6 and as_float(metrics["arctic/groups"]) == 2
+
+
+def test_router_replay_on_a_job_that_does_not_replay_is_refused_at_start_up(tiny_model, server):
+    with pytest.raises(ArcticSetupError, match="router_replay.mode=R3: the Arctic RL job replays no routing"):
+        worker_for(tiny_model, server, router_replay="R3")

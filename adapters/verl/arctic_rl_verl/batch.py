@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from arctic_rl_core.types import LossSpec, Sequence
+from arctic_rl_core.types import LossSpec, RoutedExperts, Sequence
 
 def _dro(actor, low, high):
     beta = actor.policy_loss.dro_beta
@@ -94,10 +94,25 @@ def _response_rows(data: TensorDict, key: str) -> list[np.ndarray] | None:
     return _rows(data[key], torch.float32) if key in data.keys() else None
 
 
-def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequence]:
+def _routes(data: TensorDict) -> list[RoutedExperts | None]:
+    """Each row's `routed_experts` (verl's R3 rollout or R2 old-log-prob pass: [tokens, layers, top_k] per row, from
+    the row's first token), less the trailing rows verl zero-fills past what the engine recorded (with top-k >= 2 an
+    all-zero row names one expert twice: it is no route)."""
+    out = []
+    for row in _rows(data["routed_experts"]):
+        routes = np.asarray(row).astype(np.int64)
+        if routes.shape[-1] > 1:
+            recorded = np.flatnonzero(routes.reshape(len(routes), -1).any(axis=1))
+            routes = routes[: int(recorded[-1]) + 1 if recorded.size else 0]
+        out.append(RoutedExperts.of(routes) if len(routes) else None)
+    return out
+
+
+def sequences_from_batch(data: TensorDict, critic: bool = False, routes: bool = False) -> list[Sequence]:
     """One `Sequence` per row: prompt and response ids, the GRPO group (`uid`), and the per-token
     fields verl's actor update carries (advantages, old log-probs as behaviour log-probs, the reference's
-    log-probs, mask); for the critic's update (`critic`), its returns and the values it was scored with.
+    log-probs, mask); for the critic's update (`critic`), its returns and the values it was scored with; with
+    `routes` (verl's `router_replay.mode` R2 or R3), each row's routed experts where the batch has them.
     Rows are numpy views of the batch's tensors, which the client sends without copying into lists."""
     if data["prompts"].dim() != 2 or "attention_mask" in data.keys() and not data["prompts"].is_nested:
 
@@ -112,6 +127,7 @@ def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequenc
     is_weights = _response_rows(data, "rollout_is_weights")
     returns = _response_rows(data, "returns") if critic else None
     old_values = _response_rows(data, "values") if critic else None
+    routed = _routes(data) if routes and "routed_experts" in data.keys() else [None] * len(prompts)
     return [
         Sequence(
             prompt_ids=p, response_ids=r, group_id=None if uid is None else str(uid),
@@ -122,6 +138,7 @@ def sequences_from_batch(data: TensorDict, critic: bool = False) -> list[Sequenc
             is_weights=None if is_weights is None or critic else is_weights[i],
             returns=None if returns is None else returns[i],
             old_values=None if old_values is None else old_values[i],
+            routed_experts=routed[i],
         )
         for i, (p, r, uid) in enumerate(zip(prompts, responses, uids))
     ]
@@ -136,6 +153,13 @@ def full_row_layout(per_response: list[list[float]], data: TensorDict) -> torch.
         flat[start + p - 1 : start + p - 1 + r] = values
     # The jagged tensor is a view of the one array: no per-row tensors, no copy.
     return torch.nested.nested_tensor_from_jagged(torch.from_numpy(flat), offsets=torch.from_numpy(offsets))
+
+
+def full_row_routes(routes: list[RoutedExperts], data: TensorDict) -> torch.Tensor:
+    """The routing a log-prob pass took (R2), as verl's engines return `routed_experts`: a jagged [rows, tokens,
+    layers, top_k] int16 tensor, each row its prompt and response tokens."""
+    rows = [torch.from_numpy(r.array().astype(np.int16)) for r in routes]
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
 def batch_temperature(data: TensorDict) -> float:

@@ -26,8 +26,17 @@ def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
         for key, value in _optimizer(optimizer_config).items():
             engine.setdefault(key, value)
     job = {"model_path": arctic.model_path or model_config.local_path, "engine": engine, **job}
+    mode = getattr(getattr(arctic, "router_replay", None), "mode", "disabled")
+    if mode != "disabled":
+        job.setdefault("router_replay", mode)
+        if mode == "R3":
+            job.setdefault("sampler", {"name": "transformers"})  # the sampler that records routes (docs/losses.md)
     status = attach.start_or_get_job(client, status, job, " (see actor_rollout_ref.actor.arctic.job / .model_path)")
     attach.check_model(model_config.local_path, model_config.hf_config.to_dict(), status, KEYS)
+    if mode != "disabled" and status["backend"].get("router_replay", "off") == "off":
+        raise ArcticSetupError(f"actor_rollout_ref.actor.arctic.router_replay.mode={mode}: the Arctic RL job replays no "
+                               "routing (its router_replay is off, or its model is dense); start it with router_replay: "
+                               f"{mode}")
     if optimizer_config is not None:
         # The learning rate (verl's schedule) reaches each step; the rest is the job's (set when the adapter
         # starts the job, else job.yaml), so it must be verl's.

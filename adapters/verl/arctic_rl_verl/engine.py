@@ -29,7 +29,8 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 
 from arctic_rl_core import checkpoint_handles
 from arctic_rl_verl import trace
-from arctic_rl_verl.batch import batch_temperature, full_row_layout, loss_spec, sequences_from_batch, value_loss_spec
+from arctic_rl_verl.batch import (batch_temperature, full_row_layout, full_row_routes, loss_spec, sequences_from_batch,
+                                  value_loss_spec)
 from arctic_rl_verl.connect import ArcticSetupError, connect, connect_critic, connect_reference
 
 logger = logging.getLogger(__name__)
@@ -121,9 +122,18 @@ class ArcticRLEngine(BaseEngine):
 
     # -- compute -----------------------------------------------------------------------------------------
 
+    @property
+    def router_replay(self) -> str:
+        """verl's `router_replay.mode` on this engine's config: disabled, R2 or R3."""
+        replay = getattr(self.engine_config, "router_replay", None)
+        return "disabled" if replay is None else replay.mode
+
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable, forward_only=False):
         started = time.perf_counter()
-        sequences = sequences_from_batch(data)
+        # The policy's passes replay the batch's routes (R3: the rollout's; R2: the old-log-prob pass's), the
+        # reference's do not (verl replays the actor only).
+        replaying = self.router_replay != "disabled" and not self.reference
+        sequences = sequences_from_batch(data, routes=replaying)
         temperature = batch_temperature(data)
         with_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         update = loss_function is not None and not forward_only
@@ -140,6 +150,9 @@ class ArcticRLEngine(BaseEngine):
         model_output = {"log_probs": full_row_layout(scored.logprobs, data)}
         if with_entropy:
             model_output["entropy"] = full_row_layout(scored.entropy, data)
+        if replaying and not update and self.router_replay == "R2":
+            # R2: the old-log-prob pass's routing, which verl carries into the update's batch.
+            model_output["routed_experts"] = full_row_routes(scored.routed_experts, data)
         output = self._with_verls_loss(model_output, data, loss_function, result, sequences)
         trace.record("fwd_bwd" if update else "reference_log_probs" if self.reference else "log_probs",
                      rows=len(sequences), adapter_s=time.perf_counter() - started, call_s=call_s)
@@ -161,7 +174,9 @@ class ArcticRLEngine(BaseEngine):
             losses = [float(verl_loss)]
             if result is not None:
                 append_to_dict(metrics, {"arctic/loss": result.loss, "arctic/num_tokens": float(result.num_tokens),
-                                         "arctic/groups": float(len({s.group_id for s in sequences}))})
+                                         "arctic/groups": float(len({s.group_id for s in sequences})),
+                                         "arctic/replayed_sequences": float(sum(s.routed_experts is not None
+                                                                                for s in sequences))})
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
 
     def optimizer_zero_grad(self):

@@ -109,6 +109,8 @@ class ArcticServer:
         """verl's rollout.n: the samples of one prompt, sent as that many requests."""
         self.global_steps: Optional[int] = None
         """verl's step whose weights the sampler holds (verl tracks sample staleness by it)."""
+        self.routing_replay = bool(getattr(config, "enable_rollout_routing_replay", False))
+        """verl's R3: each sample returns the experts the job's sampler routed its tokens to."""
 
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
                        image_data: Optional[list[Any]] = None, video_data: Optional[list[Any]] = None,
@@ -123,9 +125,15 @@ class ArcticServer:
         if self._flush is None:
             self._flush = asyncio.create_task(self._send_batches())
         completion = await future
+        routes = None
+        if self.routing_replay:
+            if completion.routed_experts is None and completion.token_ids:
+                raise ValueError("actor_rollout_ref.rollout.enable_rollout_routing_replay=True, but the Arctic RL job "
+                                 "records no routes: start it with router_replay: R3 and a sampler that records them")
+            routes = None if completion.routed_experts is None else completion.routed_experts.array()
         return TokenOutput(token_ids=completion.token_ids, log_probs=completion.logprobs, stop_reason="completed",
-                           extra_fields={"global_steps": self.global_steps,
-                                         "arctic_weight_version": completion.weight_version})
+                           routed_experts=routes, extra_fields={"global_steps": self.global_steps,
+                                                                "arctic_weight_version": completion.weight_version})
 
     async def _send_batches(self):
         started = time.time()
