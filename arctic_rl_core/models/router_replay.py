@@ -60,11 +60,11 @@ class MoeLayer:
     index: int
     """Absolute decoder index: the record's layer axis."""
     name: str
-    decoder_layer: torch.nn.Module
     block: torch.nn.Module
     """The module holding the layer's experts."""
     router: torch.nn.Module
-    """Where the top-k choice runs: the block's `gate` or `router` child where that is where, else the block."""
+    """Where the top-k choice runs: the block's `gate` or `router` child, or the block itself where the child is a
+    bare projection (the probe finds which)."""
 
 
 class _Routing:
@@ -265,7 +265,7 @@ def _moe_layers(model: torch.nn.Module, family: str) -> list[MoeLayer]:
         block_name, block = blocks[0]
         children = dict(block.named_children())
         router = next((children[c] for c in ("gate", "router") if c in children), block)
-        layers.append(MoeLayer(int(match.group(1)), f"{name}.{block_name}".rstrip("."), module, block, router))
+        layers.append(MoeLayer(int(match.group(1)), f"{name}.{block_name}".rstrip("."), block, router))
     return layers
 
 
