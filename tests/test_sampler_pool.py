@@ -304,3 +304,34 @@ def test_a_pool_serves_each_adapter_on_every_replica_and_a_replacement_loads_the
             api.generate(PROMPTS, {"max_tokens": 2, "adapter": "t1"})
     finally:
         api.close()
+
+
+def test_r3_completions_from_two_replicas_carry_their_routing_across_a_sync(tmp_path):
+    """Router replay (R3) behind a pool: each replica's transformers sampler records its completions' routing, which
+    crosses Ray with them; after a step and a sync the replicas record under the new weights, and the trainer
+    replaying each record gives the sampled log-probs."""
+    import numpy as np
+
+    from arctic_rl_core.models.tiny import make_tiny_model
+    from arctic_rl_core.types import Sequence, behaviour
+
+    model = make_tiny_model("qwen3_moe", str(tmp_path / "moe"), max_positions=256)
+    api = InProcessBackend({"model_path": model, "engine": {"learning_rate": 1e-2}, "router_replay": "R3",
+                            "sampler": {"name": "transformers", "replicas": 2}, "ray": {"num_cpus": 2}})
+    try:
+        for version in (0, 1):
+            out = api.generate(PROMPTS, {"n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True})
+            assert {c.weight_version for c in out} == {version}
+            seqs = [Sequence(prompt_ids=PROMPTS[c.prompt_index], response_ids=c.token_ids, group_id=c.prompt_index,
+                             advantages=[1.0 - (c.prompt_index % 2)] * len(c.token_ids), **behaviour(c)) for c in out]
+            scored = api.log_probs(seqs)
+            for c, taken, lp in zip(out, scored.routed_experts, scored.logprobs):
+                assert c.routed_experts.tokens == len(PROMPTS[c.prompt_index]) + len(c.token_ids) - 1
+                assert np.array_equal(taken.array()[: c.routed_experts.tokens], c.routed_experts.array())
+                np.testing.assert_allclose(lp, c.logprobs, atol=2e-5)
+            api.fwd_bwd(seqs, "grpo")
+            api.step()
+            assert api.sync_weights() == version + 1
+        assert api.describe()["sampler"][0]["weight_version"] == 2
+    finally:
+        api.close()
