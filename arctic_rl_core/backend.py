@@ -79,8 +79,8 @@ def _routes_taken(count: int, micro_batches, outputs) -> list[RoutedExperts] | N
         return None
     routes: list[RoutedExperts | None] = [None] * count
     for mb, out in zip(micro_batches, outputs):
-        for seq_id, rows in zip(mb.sequence_ids, mb.token_rows):
-            routes[seq_id] = RoutedExperts.of(out["routed_experts"][rows].numpy())
+        for j, seq_id in enumerate(mb.sequence_ids):
+            routes[seq_id] = RoutedExperts.of(out["routed_experts"][mb.token_rows(j)].numpy())
     return routes
 
 

@@ -76,12 +76,20 @@ class MicroBatch:
     """Batch index of each sequence in this micro-batch, in flat order."""
     response_lengths: list[int]
     inputs: LossInputs
-    token_rows: list[torch.Tensor]
-    """Per sequence, the flat index into [B * L] of each of its tokens (prompt then response)."""
+    token_paths: list[list[int]] | None
+    """A forest's paths: per sequence, the packed index of each of its tokens (None: a padded batch, row by row).
+    `token_rows` reads them; kept raw, so a batch no routing touches builds no index tensors."""
     routes: torch.Tensor | None = None
     """[B * L, layers, top_k]: where a sequence carries `routed_experts`, the experts each flat position replays."""
     routes_known: torch.Tensor | None = None
     """[B * L] bool: the positions `routes` holds (the others route natively)."""
+
+    def token_rows(self, j: int) -> torch.Tensor:
+        """The flat index into [B * L] of each token (prompt then response) of this micro-batch's sequence `j`."""
+        if self.token_paths is None:
+            width = self.input_ids.shape[1]
+            return torch.arange(j * width, j * width + int(self.attention_mask[j].sum()))
+        return torch.tensor(self.token_paths[j], dtype=torch.long)
 
 
 def group_indices(sequences: list[Sequence]) -> list[int]:
@@ -187,10 +195,9 @@ def _padded(sequences: list[Sequence], members: list[int], pad_id: int) -> dict:
         input_ids[b, : p + r] = torch.from_numpy(joined(seq.prompt_ids, seq.response_ids))
         attention_mask[b, : p + r] = 1
         rows.append(torch.arange(p - 1, p + r - 1) + b * width)
-    token_rows = [torch.arange(len(sequences[i].prompt_ids) + len(sequences[i].response_ids)) + b * width
-                  for b, i in enumerate(members)]
     return dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=None, layout=None, logit_rows=torch.cat(rows),
-                token_rows=token_rows, **_routes(sequences, members, token_rows, len(members) * width))
+                token_paths=None, **_routes(sequences, members, lambda b: torch.arange(b * width, (b + 1) * width),
+                                            len(members) * width))
 
 
 def _forest(sequences: list[Sequence], full: list[list[int]], members: list[int], min_shared_tokens: int,
@@ -201,22 +208,21 @@ def _forest(sequences: list[Sequence], full: list[list[int]], members: list[int]
     for i, path in zip(members, forest.paths):
         p, r = len(sequences[i].prompt_ids), len(sequences[i].response_ids)
         rows.extend(path[p - 1 : p + r - 1])
-    token_rows = [torch.tensor(path, dtype=torch.long) for path in forest.paths]
     return dict(
         input_ids=torch.tensor([forest.tokens]),
         attention_mask=None,
         position_ids=torch.tensor([forest.position_ids]),
         layout=forest.layout,
         logit_rows=torch.tensor(rows, dtype=torch.long),
-        token_rows=token_rows,
-        **_routes(sequences, members, token_rows, len(forest.tokens)),
+        token_paths=forest.paths,
+        **_routes(sequences, members, lambda b: torch.tensor(forest.paths[b], dtype=torch.long), len(forest.tokens)),
     )
 
 
-def _routes(sequences: list[Sequence], members: list[int], token_rows: list[torch.Tensor], flat: int) -> dict:
-    """The members' routing records scattered to their flat positions (a shared prefix's rows agree: the forest
-    shares only tokens whose records do)."""
-    records = [(sequences[i].routed_experts, rows) for i, rows in zip(members, token_rows)
+def _routes(sequences: list[Sequence], members: list[int], rows_of, flat: int) -> dict:
+    """The members' routing records scattered to their flat positions (`rows_of(b)`: member b's, from its first
+    token; a shared prefix's rows agree: the forest shares only tokens whose records do)."""
+    records = [(sequences[i].routed_experts, rows_of(b)) for b, i in enumerate(members)
                if sequences[i].routed_experts is not None]
     if not records:
         return {}
