@@ -96,10 +96,9 @@ def build_parser(plugins: PluginManager | None = None) -> argparse.ArgumentParse
                         "requests each hold one)")
     p.add_argument("--served-model-name", help="the model name the OpenAI-compatible routes answer to "
                                                "(default: the job's model_path)")
-    from arctic_rl_core.serving.tool_calls import PARSERS
-
-    p.add_argument("--tool-call-parser", choices=PARSERS,
-                   help="return chat replies' tool-call blocks as tool_calls (as vLLM's option of that name)")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="read chat replies' tool calls into tool_calls with vLLM's parser NAME (hermes, llama3_json, "
+                        "...: vllm serve's option of that name, with its strict tool calling)")
     p.add_argument("--tinker-full-parameter", action="store_true",
                    help="the Tinker routes train all parameters of a job without LoRA for clients that ask for LoRA "
                         "(the Tinker SDK can ask for nothing else); without it they are refused")

@@ -308,16 +308,21 @@ class StructuredOutputs(_Strict):
     """The completion is one of these strings."""
     grammar: str | None = Field(default=None, min_length=1)
     """The completion is a sentence of this EBNF grammar (xgrammar's, GBNF-like)."""
+    structural_tag: str | None = Field(default=None, min_length=1)
+    """xgrammar's structural tag, as JSON text: free text where tags (a tool call's `<tool_call>`, say) are
+    constrained between their begin and end (vLLM's `structural_tag`; what its tool-call parsers put on a reply)."""
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "StructuredOutputs":
-        given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in ("json_schema", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"give exactly one of json_schema, json_object, regex, choice, grammar (got {given or 'none'})")
+            raise ValueError("give exactly one of json_schema, json_object, regex, choice, grammar, structural_tag "
+                             f"(got {given or 'none'})")
         schema = self.json_schema
         text = schema if isinstance(schema, str) else json.dumps(schema) if schema is not None else \
-            "".join(self.choice) if self.choice is not None else self.regex or self.grammar or ""
+            "".join(self.choice) if self.choice is not None else self.regex or self.grammar or self.structural_tag or ""
         if len(text) > MAX_CONSTRAINT_CHARS:
             raise ValueError(f"the constraint's {given[0]} has {len(text)} characters, over {MAX_CONSTRAINT_CHARS}")
         return self

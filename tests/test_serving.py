@@ -413,15 +413,6 @@ def test_routes_are_counted_in_status_and_need_the_token_off_loopback(tiny_model
     assert json.dumps(status)  # plain JSON
 
 
-def test_the_hermes_parser_returns_tool_calls_and_leaves_malformed_blocks_in_the_content():
-    from arctic_rl_core.serving.tool_calls import parse_hermes
-
-    content, calls = parse_hermes('Let me add. <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
-                                  '<tool_call>{not json}</tool_call>')
-    assert content == "Let me add. <tool_call>{not json}</tool_call>"
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2})]
-
-
 def test_chat_with_a_tool_call_parser_answers_tool_calls_from_the_sampled_tokens(tiny_model):
     """The sampler answers with a tool call (as a tool-trained model would); the message carries it as
     tool_calls, the token ids are the sampled ones, and streaming gives the same call."""
@@ -448,10 +439,20 @@ def test_chat_with_a_tool_call_parser_answers_tool_calls_from_the_sampled_tokens
         [call] = choice.message.tool_calls
         assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
         assert choice.token_ids == reply
-        streamed = sdk.chat.completions.create(model=tiny_model, messages=messages, tools=tools, max_tokens=40,
-                                               stream=True)
-        deltas = [c.choices[0].delta for c in streamed if c.choices and c.choices[0].delta.tool_calls]
-        assert [d.tool_calls[0].function.name for d in deltas] == ["add"]
+        streamed = list(sdk.chat.completions.create(model=tiny_model, messages=messages, tools=tools, max_tokens=40,
+                                                    stream=True))
+        deltas = [c.choices[0].delta for c in streamed if c.choices]
+        calls = [call for d in deltas for call in d.tool_calls or []]
+        # vLLM's stream: the content before the call, the call's id and name once, then its arguments in pieces
+        assert "".join(d.content or "" for d in deltas) == "Sure."
+        assert [call.function.name for call in calls if call.function.name] == ["add"]
+        assert [call.id for call in calls if call.id] == [calls[0].id] and calls[0].id.startswith("chatcmpl-tool-")
+        assert json.loads("".join(call.function.arguments or "" for call in calls)) == {"a": 1, "b": 2}
+        assert streamed[-1].choices[0].finish_reason == "tool_calls"
+        # a forced call needs vLLM's grammar engine (its structural tag), which this sampler has not
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(model=tiny_model, messages=messages, tools=tools, tool_choice="required")
+        assert refused.value.body["param"] == "tools"
         plain = sdk.chat.completions.create(model=tiny_model, messages=messages, max_tokens=40)  # no tools: text
         assert plain.choices[0].message.tool_calls is None and "add" in plain.choices[0].message.content
 

@@ -57,7 +57,23 @@ SHARED = {
     "user": ({"user": "someone"}, True),
     "session_id": ({"session_id": "parity"}, True),
     "model": ({}, True),
+    "truncate_prompt_tokens": ({"truncate_prompt_tokens": 5}, True),
+    "truncation_side": ({"truncate_prompt_tokens": 5, "truncation_side": "right"}, True),
+    "stream_interval": ({"stream": True, "stream_interval": 3}, True),
+    "routed_experts_prompt_start": ({"routed_experts_prompt_start": 0}, True),
+    # taken by both and changing nothing under these servers' flags (docs/serving.md)
+    "priority": ({"priority": 1}, True),
+    "watermarking": ({"watermarking": True}, True),
+    "kv_transfer_params": ({"kv_transfer_params": {"do_remote_prefill": False}}, True),
+    "ec_transfer_params": ({"ec_transfer_params": {"cache": 1}}, True),
+    "vllm_xargs": ({"vllm_xargs": {"note": 1}}, True),
+    "return_token_offsets": ({"return_token_offsets": True}, True),
+    "mm_payload": ({"mm_payload": "none"}, True),
+    "return_mm_kwargs": ({"return_mm_kwargs": False}, True),
+    "media_io_kwargs": ({"media_io_kwargs": {}}, True),
+    "mm_processor_kwargs": ({"mm_processor_kwargs": {}}, True),
 }
+CONTINUED = [{"role": "user", "content": "Name the weather in Paris."}, {"role": "assistant", "content": "It is"}]
 CHAT = {
     **SHARED,
     "messages": ({}, True),
@@ -70,12 +86,24 @@ CHAT = {
     "return_tokens_as_token_ids": ({"logprobs": True, "return_tokens_as_token_ids": True}, True),
     "max_completion_tokens": ({"max_completion_tokens": 5}, True),
     "max_tokens": ({"max_tokens": 5}, True),
-    # Texts differ: with a tool-call parser vLLM 0.32 constrains tool calls to the parser's own format by
-    # xgrammar structural tags (`<tool_call>` blocks for hermes, under auto too); ours constrains only a forced
-    # choice, to vLLM's JSON-array format (docs/serving.md, "Not yet").
-    "tools": ({"tools": TOOLS}, False),
-    "tool_choice": ({"tools": TOOLS, "tool_choice": "required"}, False),
-    "parallel_tool_calls": ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, False),
+    "continue_final_message": ({"continue_final_message": True, "add_generation_prompt": False,
+                                "messages": CONTINUED}, True),
+    "echo": ({"echo": True, "add_generation_prompt": False, "messages": CONTINUED}, True),
+    "documents": ({"documents": [{"title": "Paris", "text": "Sunny all week."}]}, True),
+    "reasoning_effort": ({"reasoning_effort": "low"}, True),
+    "return_prompt_text": ({"return_prompt_text": True}, True),
+    "return_prompt_text, streamed": ({"return_prompt_text": True, "stream": True}, True),
+    # Both read tool calls with vLLM's hermes parser, which constrains forced calls to its `<tool_call>` blocks
+    "tools": ({"tools": TOOLS}, True),
+    "tool_choice": ({"tools": TOOLS, "tool_choice": "required"}, True),
+    "tool_choice, named": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+                           True),
+    "tool_choice, strict tool": ({"tools": [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}],
+                                  "tool_choice": "auto", "max_tokens": 24}, True),
+    "parallel_tool_calls": ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, True),
+    "tool_choice, streamed": ({"tools": TOOLS, "tool_choice": "required", "stream": True, "max_tokens": 24}, True),
+    "tools, streamed": ({"tools": TOOLS, "stream": True, "max_tokens": 24}, True),
+    "tool_choice none": ({"tools": TOOLS, "tool_choice": "none"}, True),
 }
 COMPLETIONS = {
     **SHARED,
@@ -86,31 +114,18 @@ COMPLETIONS = {
     "return_tokens_as_token_ids": ({"logprobs": 1, "return_tokens_as_token_ids": True}, True),
     "max_tokens": ({"max_tokens": 5}, True),
 }
-# Refused here, by name (a 400 naming the field), each for its reason.
+# Refused here, by name (a 400 naming the field), each for its reason, though `vllm serve` takes them.
 NOT_HERE = {
-    "chat_template": "a request never brings its own template (it would run code of the client's on the server)",
-    "continue_final_message": "not yet",
-    "documents": "not yet",
-    "echo": "not yet on chat (completions echo)",
-    "reasoning_effort": "not yet",
-    "return_prompt_text": "not yet",
-    "return_token_offsets": "not yet",
-    "truncate_prompt_tokens": "not yet: a prompt over the context is refused",
-    "truncation_side": "not yet",
+    "use_beam_search": "no beam search: a beam is not a sample of the policy", "length_penalty": "beam search's",
     "logprob_token_ids": "not yet",
-    "thinking_token_budget": "not yet: no reasoning parser",
     "repetition_detection": "not yet",
-    "watermarking": "not yet",
-    "priority": "the sampler's scheduling is first come, first served",
-    "stream_interval": "not yet: a piece per engine step",
-    "suffix": "no fill-in-the-middle",
-    "use_beam_search": "no beam search", "length_penalty": "beam search's",
-    "kv_transfer_params": "no disaggregated prefill", "ec_transfer_params": "no disaggregated prefill",
-    "media_io_kwargs": "text models only", "mm_payload": "text models only",
-    "mm_processor_kwargs": "text models only", "return_mm_kwargs": "text models only",
-    "prompt_embeds": "token and text prompts only",
-    "routed_experts_prompt_start": "MoE router replay is issue 52",
-    "vllm_xargs": "no custom logits processors",
+}
+# Refused by both, under these servers' flags: (route, value).
+REFUSED_BY_BOTH = {
+    "chat_template": ("/v1/chat/completions", "{{ 'hi' }}"),  # a client's template runs on the server
+    "thinking_token_budget": ("/v1/chat/completions", 4),  # no reasoning parser
+    "suffix": ("/v1/completions", "x"),  # no fill-in-the-middle template
+    "prompt_embeds": ("/v1/completions", "eA=="),  # no --enable-prompt-embeds
 }
 OURS_ONLY = {"weight_versions"}
 """Keys our responses add (docs/serving.md). (`system_fingerprint` differs in value: ours names the weight
@@ -125,8 +140,8 @@ def test_the_tables_hold_every_field_of_vllms_request_models():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    assert _fields(ChatCompletionRequest) - set(CHAT) - set(NOT_HERE) == set()
-    assert _fields(CompletionRequest) - set(COMPLETIONS) - set(NOT_HERE) == set()
+    assert _fields(ChatCompletionRequest) - set(CHAT) - set(NOT_HERE) - set(REFUSED_BY_BOTH) == set()
+    assert _fields(CompletionRequest) - set(COMPLETIONS) - set(NOT_HERE) - set(REFUSED_BY_BOTH) == set()
 
 
 @pytest.fixture(scope="module")
@@ -168,8 +183,16 @@ def _post(url: str, route: str, body: dict) -> tuple[int, dict]:
                 into = folded["choices"].setdefault(choice["index"], {"text": ""})
                 delta = choice.get("delta") or {}
                 into["text"] += choice.get("text") or delta.get("content") or ""
+                for call in delta.get("tool_calls") or []:  # a call's name, then its arguments piece by piece
+                    calls = into.setdefault("message", {}).setdefault("tool_calls", {})
+                    folded_call = calls.setdefault(call["index"], {"function": {"name": "", "arguments": ""}})
+                    for key in ("name", "arguments"):
+                        folded_call["function"][key] += (call.get("function") or {}).get(key) or ""
                 into.update({k: v for k, v in choice.items() if k not in ("text", "delta") and v is not None})
     folded["choices"] = [folded["choices"][i] for i in sorted(folded["choices"])]
+    for choice in folded["choices"]:
+        if "message" in choice:
+            choice["message"]["tool_calls"] = [calls for _, calls in sorted(choice["message"]["tool_calls"].items())]
     return 200, folded
 
 
@@ -214,10 +237,36 @@ def test_every_parameter_vllm_serve_takes_is_taken_alike(servers, route, table):
     assert differences == {}, json.dumps(differences)[:12000]
 
 
-@pytest.mark.parametrize("route, name", [("/v1/chat/completions", n) for n in sorted(NOT_HERE)])
-def test_what_is_not_here_is_refused_by_name(servers, route, name):
-    value = {"stream_interval": 2, "priority": 1, "echo": True, "use_beam_search": True, "watermarking": {"key": 1},
-             "length_penalty": 0.5}.get(name, "x")
-    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], name: value}
-    status, answer = _post(servers["arctic"], route, body)
+@pytest.mark.parametrize("name", sorted(NOT_HERE))
+def test_what_is_not_here_is_refused_by_name(servers, name):
+    value = {"use_beam_search": True, "length_penalty": 0.5, "logprob_token_ids": [5, 6],
+             "repetition_detection": {"max_pattern_size": 4, "min_count": 3}}[name]
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            name: value}
+    status, answer = _post(servers["arctic"], "/v1/chat/completions", body)
     assert status == 400 and answer["error"]["param"] == name, answer
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_BY_BOTH))
+def test_what_vllm_serve_refuses_is_refused_here_by_name(servers, name):
+    route, value = REFUSED_BY_BOTH[name]
+    body = {"model": "tiny", "max_tokens": 2, name: value}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"})
+    (ours, answer), (theirs, _) = (_post(servers[side], route, body) for side in ("arctic", "vllm"))
+    assert [ours, theirs] == [400, 400] and answer["error"]["param"] == name, answer
+
+
+def _pieces(url: str, body: dict) -> list[int]:
+    """The tokens each streamed chunk carries."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    return [len(choice.get("token_ids") or []) for chunk in chunks for choice in chunk["choices"]]
+
+
+def test_stream_interval_cuts_a_stream_into_the_same_pieces(servers):
+    body = {"model": "tiny", "prompt": "The weather in Paris is", "max_tokens": 11, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_interval": 4, "return_token_ids": True}
+    ours, theirs = (_pieces(servers[side], body) for side in ("arctic", "vllm"))
+    assert sum(ours) == 11 and [n for n in ours if n] == [1, 4, 4, 2], ours  # the first token at once
+    assert [n for n in ours if n] == [n for n in theirs if n], (ours, theirs)

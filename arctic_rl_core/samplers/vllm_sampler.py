@@ -68,7 +68,8 @@ def _structured_outputs(constraint: StructuredOutputs | None):
     from vllm.sampling_params import StructuredOutputsParams
 
     return StructuredOutputsParams(json=constraint.json_schema, json_object=constraint.json_object or None,
-                                   regex=constraint.regex, choice=constraint.choice, grammar=constraint.grammar)
+                                   regex=constraint.regex, choice=constraint.choice, grammar=constraint.grammar,
+                                   structural_tag=constraint.structural_tag)
 
 
 def _top(step: dict, k: int) -> list[tuple[int, float]]:

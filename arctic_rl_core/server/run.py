@@ -108,6 +108,13 @@ def main(args) -> int:
         setattr(limits, name, int(value))
     if args.max_connections < 1:
         raise SystemExit(f"--max-connections {args.max_connections}: at least 1")
+    if args.tool_call_parser is not None:
+        from arctic_rl_core.serving.tool_calls import parser_class
+
+        try:
+            parser_class(args.tool_call_parser, None)  # the name; the model's tokenizer is checked as it loads
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
     settings = ServerSettings(host=args.host, port=args.port, token=token, max_request_bytes=args.max_request_mb * 2**20,
                               max_connections=args.max_connections, checkpoint_dir=args.checkpoint_dir, limits=limits,
                               served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,

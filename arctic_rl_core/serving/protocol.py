@@ -20,12 +20,12 @@ from arctic_rl_core.types import MAX_TOP_LOGPROBS, SESSION_ID_CHARS, SamplingPar
 
 # Parameters accepted only at the value that leaves sampling as it is.
 NEUTRAL: dict[str, Any] = {
-    "suffix": "", "priority": 0, "features": {},
-    "content_parts": [], "kv_transfer_params": {}, "ec_transfer_params": {}, "truncate_prompt_tokens": None,
-    "logits_processors": [], "continue_final_message": False, "thinking_token_budget": None, "watermarking": None,
+    "suffix": "", "features": {}, "content_parts": [], "logits_processors": [], "thinking_token_budget": None,
     "prompt_logprob_token_ids": [], "logprob_token_ids": [], "repetition_detection": None, "extra_args": {},
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "reasoning_ended": None, "reasoning_parser_kwargs": None,
+    # vLLM refuses these unless started with --trust-request-mm-kwargs; empty, they change nothing (text models)
+    "media_io_kwargs": {}, "mm_processor_kwargs": {},
 }
 
 
@@ -69,11 +69,12 @@ class StructuredOutputsRequest(_Request):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None
+    """xgrammar's structural tag, as JSON text (vLLM's)."""
     disable_fallback: Literal[False] = False
     disable_any_whitespace: Literal[False] = False
     disable_additional_properties: Literal[False] = False
     whitespace_pattern: None = None
-    structural_tag: None = None
     """vLLM's backend options: only at their defaults (this server lets vLLM choose the grammar backend)."""
 
 
@@ -134,6 +135,39 @@ class _Sampled(_Request):
     bad_words: list[str] | None = None
     include_reasoning: bool = True
     """vLLM's: without a reasoning parser (this server has none) the reply has no reasoning to leave out."""
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    """vLLM's: the prompt's tokens (after templating) cut to this many, from `truncation_side`; -1: to the model's
+    context (less one where a token budget is given)."""
+    truncation_side: Literal["left", "right"] | None = None
+    """`left` (the default, as vLLM's for generating models) keeps the prompt's last tokens, `right` its first."""
+    stream_interval: int | None = Field(None, ge=1)
+    """vLLM's: a stream's pieces carry this many tokens (the first piece as soon as it is sampled)."""
+    routed_experts_prompt_start: int | None = Field(None, ge=0)
+    """vLLM's: where a choice's `routed_experts` begin in the prompt (with router replay's R3 recording)."""
+    # vLLM's, and taken as `vllm serve` takes them with its default flags, where they change nothing: first come,
+    # first served scheduling (priority), no watermark configured, no KV or encoder-cache connector, no custom
+    # logits processors (vllm_xargs), prompt offsets that no response carries, text models (mm_*).
+    priority: int = 0
+    watermarking: bool | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    return_token_offsets: bool | None = None
+    mm_payload: Literal["tensors", "none"] | None = None
+    return_mm_kwargs: bool | None = None
+
+    def truncated(self, ids: list[int], max_context: int, budget_given: bool) -> list[int]:
+        """The prompt's ids cut as `truncate_prompt_tokens` asks (vLLM's rules)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep > max_context:
+            raise InvalidRequest("truncate_prompt_tokens", f"is {keep}, over the model's context ({max_context} tokens)")
+        if keep == -1:
+            keep = max_context - 1 if budget_given else max_context
+        if keep == 0:
+            raise InvalidRequest("truncate_prompt_tokens", "0 leaves the prompt empty")
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -144,7 +178,7 @@ class _Sampled(_Request):
         so = self.structured_outputs
         if so is not None:
             given = {"json_schema": so.json_, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
-                     "grammar": so.grammar}
+                     "grammar": so.grammar, "structural_tag": so.structural_tag}
             return {name: value for name, value in given.items() if value is not None}
         form = self.response_format
         if form is None or form.type == "text":
@@ -208,6 +242,27 @@ class NamedToolChoice(_Request):
 
 class ChatCompletionRequest(_Sampled):
     messages: list[dict[str, Any]] = Field(min_length=1)
+    continue_final_message: bool = False
+    """vLLM's: the reply continues the last message (rendered open, without its end), with
+    `add_generation_prompt: false`."""
+    documents: list[dict[str, str]] | None = None
+    """vLLM's: documents for the chat template (retrieval-augmented templates render them)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    """vLLM's: a chat template variable, with `enable_thinking` (false for "none") unless the request's
+    `chat_template_kwargs` set it."""
+    echo: bool = False
+    """vLLM's: the prompt's log-probs are returned, and where the last message is the reply's role its content
+    comes before each reply's."""
+    return_prompt_text: bool = False
+    """vLLM's: the rendered prompt's text in the response (`prompt_text`)."""
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: `chat_template_kwargs`, and `reasoning_effort` as vLLM passes it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs or None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -280,6 +335,10 @@ class TokenGenerateRequest(_Request):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_CHARS)
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    """As the chat and completions routes take them: no effect under this server's scheduling, with no connector."""
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         sp = self.sampling_params

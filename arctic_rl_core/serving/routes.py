@@ -46,7 +46,7 @@ from arctic_rl_core.serving.protocol import (
     parse_request,
 )
 from arctic_rl_core.serving.text import StreamedText, TextCodec
-from arctic_rl_core.serving.tool_calls import parse_hermes
+from arctic_rl_core.serving.tool_calls import ToolCallStream, ToolCalls, as_rendered, parser_class
 from arctic_rl_core.types import SESSION_ID_CHARS, Completion, GenerateRequest, SamplingParams
 
 SESSION_HEADER = "x-session-id"
@@ -87,6 +87,31 @@ def _routed_experts(c: Completion, start: int) -> dict:
             "shape": list(compact.shape), "start": start, "dtype": compact.dtype.name}
 
 
+def _joined(first: tuple | None, then: tuple) -> tuple:
+    """Two stream pieces (text, token ids, log-probs, top log-probs, ranks) as one."""
+    if first is None:
+        return then
+    return tuple(a + b if a is not None and b is not None else None for a, b in zip(first, then))
+
+
+def _check_routes_start(start: int | None, prompt: list[int], field_: str) -> None:
+    if start is not None and not 0 <= start <= len(prompt):
+        raise InvalidRequest(field_, f"is {start}; it must be within the prompt (0 to {len(prompt)})")
+
+
+def _routes_from(c: Completion, start: int | None) -> dict:
+    """A choice's `routed_experts` (vLLM's key), where the sampler recorded them (router replay's R3)."""
+    return {} if c.routed_experts is None else {"routed_experts": _routed_experts(c, start or 0)}
+
+
+def _content_text(message: dict) -> str:
+    """A message's text: its content, or its text parts joined by newlines (vLLM's echo)."""
+    content = message.get("content")
+    if isinstance(content, list):
+        return "\n".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+    return content or ""
+
+
 def _spans(c: Completion) -> list[dict]:
     """vLLM's weight-version spans: which version sampled tokens [start, end) (several where a sync crossed it)."""
     versions = c.token_versions or [c.weight_version] * len(c.token_ids)
@@ -105,7 +130,8 @@ class Serving:
 
     served_model_name: str | None
     tool_call_parser: str | None = None
-    """`hermes`: chat replies' <tool_call> blocks become the message's `tool_calls` (requests with `tools`)."""
+    """A vLLM tool parser's name (`hermes`, ...): chat replies to requests with `tools` are read into the message's
+    `tool_calls` by it, and constrained to its format as `vllm serve` constrains them (`serving.tool_calls`)."""
     gate: PauseGate = field(default_factory=PauseGate)
     frozen: Any = None
     """The job whose sampler `/pause?mode=keep` froze, until `/resume`."""
@@ -115,6 +141,7 @@ class Serving:
     max_concurrent: int = 64
     """Requests sampling at once on a continuously batched sampler (the server's connection cap)."""
     _codec: tuple[Any, TextCodec] | None = None
+    _tool_parser: tuple[TextCodec, type] | None = None
     _coalescer: tuple[Any, Coalescer] | None = None
     _callers: ThreadPoolExecutor | None = None
     _direct_calls: int = 0
@@ -131,6 +158,16 @@ class Serving:
         if self._codec is None or self._codec[0] is not api:
             self._codec = (api, TextCodec(api.config.model_path))
         return self._codec[1]
+
+    def tool_calls(self, api, req: ChatCompletionRequest) -> ToolCalls | None:
+        """The request's tool calling through the server's parser; None without a parser, tools, or where tools are
+        not to be called."""
+        if self.tool_call_parser is None or not req.tools or req.tool_choice == "none":
+            return None
+        codec = self.codec(api)
+        if self._tool_parser is None or self._tool_parser[0] is not codec:
+            self._tool_parser = (codec, parser_class(self.tool_call_parser, codec.tokenizer))
+        return ToolCalls(self._tool_parser[1], codec.tokenizer, req)
 
     def generate(self, api, executor, prompts: list[list[int]], sampling: SamplingParams,
                  on_tokens: Callable | None = None, cancel: Cancellation | None = None) -> Awaitable[list[Completion]]:
@@ -263,16 +300,18 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
 
     def stream_as_sampled(api, route: str, request: Request, prompts: list[list[int]], sampling: SamplingParams,
                           session: str | None, fields: Callable[[str], str], texts: Callable[[int], StreamedText],
-                          first: list[dict], piece: Callable[..., dict],
-                          last: Callable[[Sampled, dict[int, StreamedText]], list[dict]], usage_head: dict | None):
+                          first: list[dict], piece: Callable[..., dict | None],
+                          last: Callable[[Sampled, dict[int, StreamedText]], list[dict]], usage_head: dict | None,
+                          interval: int | None = None):
         """Server-sent events while the engine samples: `first`, then `piece(choice, text, token ids, their log-probs,
-        their top log-probs, their ranks)` as each choice's tokens arrive (text that may be shown: `texts(choice)`), then
-        `last(sampled, texts)`, usage with
-        `usage_head`. The request is checked before the response starts: a bad one is an HTTP error.
+        their top log-probs, their ranks)` as each choice's tokens arrive (text that may be shown: `texts(choice)`; a
+        None piece sends nothing yet), then `last(sampled, texts)`, usage with `usage_head`. `interval` (vLLM's
+        `stream_interval`): a choice's first piece at once, then pieces of that many tokens. The request is checked before the response starts: a bad one is an HTTP error.
 
         A client that disconnects mid-stream (Starlette then cancels these events) cancels the call in the sampler;
         a session records each choice's tokens up to the last piece the client was sent, marked cancelled."""
         check(api, prompts, sampling, fields)
+        interval = interval or 1
         handoff = serving.handoff()
         pieces: asyncio.Queue = asyncio.Queue()
         cancel = Cancellation()
@@ -288,6 +327,10 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             text_of: dict[int, StreamedText] = {}
             sent: dict[int, int] = {}
             """Per choice, the tokens of the pieces the client was sent (a `yield` returns once Starlette sent it)."""
+            held: dict[int, int] = {}
+            """Per choice, the tokens since, not yet sent."""
+            pending: dict[int, tuple] = {}
+            """Per choice, the pieces not yet made into an event (`interval`)."""
             ended = False
             try:
                 for event in first:
@@ -295,8 +338,21 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 while (item := await pieces.get()) is not None:
                     choice, token_ids, logprobs, tops, ranks = item
                     text = text_of.setdefault(choice, texts(choice)).add(token_ids)
-                    yield f"data: {json.dumps(piece(choice, text, token_ids, logprobs, tops, ranks))}\n\n"
-                    sent[choice] = sent.get(choice, 0) + len(token_ids)
+                    held[choice] = held.get(choice, 0) + len(token_ids)
+                    if interval > 1:  # after a choice's first piece, pieces of `interval` tokens
+                        joined = _joined(pending.pop(choice, None), (text, token_ids, logprobs, tops, ranks))
+                        if choice in sent and len(joined[1]) < interval:
+                            pending[choice] = joined
+                            continue
+                        text, token_ids, logprobs, tops, ranks = joined
+                    if (event := piece(choice, text, token_ids, logprobs, tops, ranks)) is None:
+                        continue  # nothing to show yet: these tokens go with the next piece sent
+                    yield f"data: {json.dumps(event)}\n\n"
+                    sent[choice] = sent.get(choice, 0) + held.pop(choice)
+                for choice, rest in pending.items():  # the tokens short of an interval at the end
+                    if (event := piece(choice, *rest)) is not None:
+                        yield f"data: {json.dumps(event)}\n\n"
+                        sent[choice] = sent.get(choice, 0) + held.pop(choice)
                 ended = True
                 try:
                     sampled = work.result()
@@ -377,10 +433,13 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
             prompt = [prompt]
         if not prompt:
             raise InvalidRequest("prompt", "must hold at least one prompt")
-        prompts = [p if isinstance(p, list) else codec.encode(p, req.add_special_tokens, "prompt") for p in prompt]
+        prompts = [req.truncated(p if isinstance(p, list) else codec.encode(p, req.add_special_tokens, "prompt"),
+                                 api.sampler.max_context, True) for p in prompt]
+        for p in prompts:
+            _check_routes_start(req.routed_experts_prompt_start, p, "routed_experts_prompt_start")
         many = len(prompts) > 1
         session = session_of(request, req.session_id)
-        fields = lambda f: _renamed(f, "prompt", many, constraint=_constraint_field(req, None))  # noqa: E731
+        fields = lambda f: _renamed(f, "prompt", many, constraint=_constraint_field(req, False))  # noqa: E731
         # vLLM's echo: each choice's text after its prompt's; with logprobs, the prompt's log-probs before the
         # reply's. With max_tokens 0 the prompt alone comes back (one token is sampled and not shown).
         if req.max_tokens == 0 and not req.echo:
@@ -391,7 +450,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         sampling = req.sampling(1 if prompt_only else req.max_tokens or 16, req.logprobs or 0)
         if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
             sampling = sampling.model_copy(update={"prompt_logprobs": req.logprobs})
-        echoes = ["" if req.return_token_ids else p if isinstance(p, str) else codec.decode(ids, req.skip_special_tokens)
+        echoes = ["" if req.return_token_ids else p if isinstance(p, str) and req.truncate_prompt_tokens is None
+                  else codec.decode(ids, req.skip_special_tokens)
                   for p, ids in zip(prompt, prompts)] if req.echo else None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": model,
                 "system_fingerprint": _fingerprint(api)}
@@ -422,7 +482,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                     "token_ids": c.token_ids if req.return_token_ids else None,
                     "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                     "prompt_logprobs": _prompt_logprobs(codec, c, prompt_ids),
-                    "weight_versions": _spans(c)})
+                    "weight_versions": _spans(c), **_routes_from(c, req.routed_experts_prompt_start)})
             return choices
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
@@ -450,7 +510,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                      lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens,
                                                             req.stop_token_ids or [], req.ignore_eos,
                                                             req.include_stop_str_in_output),
-                                     first, piece, last, usage_head)
+                                     first, piece, last, usage_head, req.stream_interval)
         sampled = await sample(api, "completions", prompts, sampling, session, fields, request)
         if sampled is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
@@ -463,58 +523,76 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
     async def chat_completions(request: Request):
         req, api, model = await begin(request, ChatCompletionRequest)
         codec = serving.codec(api)
+        if "prompt_token_ids" in (req.kv_transfer_params or {}):
+            raise InvalidRequest("kv_transfer_params.prompt_token_ids", "this server has no disaggregated prefill: "
+                                                                        "the prompt is the messages' rendering")
         # As vLLM, the tools stay in the prompt under tool_choice "none": the model only must not call them.
-        prompt_ids = codec.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+        prompt_text = codec.chat_text(req.messages, as_rendered(req.tools), req.add_generation_prompt,
+                                      req.template_kwargs(), req.continue_final_message, req.documents)
+        budget = req.max_completion_tokens or req.max_tokens
+        prompt_ids = req.truncated(codec.encode(prompt_text, False, "messages"), api.sampler.max_context,
+                                   budget is not None)
+        _check_routes_start(req.routed_experts_prompt_start, prompt_ids, "routed_experts_prompt_start")
+        # vLLM's: the reply's role is the last message's where no generation prompt opens an assistant's turn
+        reply_role = "assistant" if req.add_generation_prompt else req.messages[-1]["role"]
+        echoed = _content_text(req.messages[-1]) if req.echo and req.messages[-1]["role"] == reply_role else ""
         if req.top_logprobs and not req.logprobs:
             raise InvalidRequest("top_logprobs", "needs logprobs: true")
         check_tools(req.tools, req.tool_choice, req.constraint() is not None)
-        forced = req.tool_choice if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice) \
-            else None
+        tools = serving.tool_calls(api, req)  # vLLM's parser, where the server has one
+        # Without a parser a forced choice constrains the reply to vLLM's JSON form of calls (`serving.constraints`).
+        forced = req.tool_choice if tools is None and (req.tool_choice == "required" or
+                                                       isinstance(req.tool_choice, NamedToolChoice)) else None
         calls_schema = tool_schema(req.tools or [], forced, req.parallel_tool_calls)
-        sampling = req.sampling(max_tokens(api, req.max_completion_tokens or req.max_tokens, [prompt_ids]),
-                                req.top_logprobs or 0, None if calls_schema is None else {"json_schema": calls_schema})
+        constraint = tools.constraint() if tools is not None else \
+            None if calls_schema is None else {"json_schema": calls_schema}
+        sampling = req.sampling(max_tokens(api, budget, [prompt_ids]), req.top_logprobs or 0, constraint)
+        if req.echo and req.prompt_logprobs is None:  # vLLM's echo returns the prompt's log-probs
+            sampling = sampling.model_copy(update={"prompt_logprobs": req.top_logprobs or 0})
         session = session_of(request, req.session_id)
-        fields = lambda f: _renamed(f, "messages", False, constraint=_constraint_field(req, forced))  # noqa: E731
-        parse_tools = (forced is None and serving.tool_call_parser is not None and bool(req.tools)
-                       and req.tool_choice != "none")
+        by_tools = forced is not None or tools is not None and (constraint or {}).get("structural_tag") is not None
+        fields = lambda f: _renamed(f, "messages", False, constraint=_constraint_field(req, by_tools))  # noqa: E731
+        skip_special_tokens = req.skip_special_tokens if tools is None else tools.skip_special_tokens
         created = int(time.time())
         ident = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
                 "system_fingerprint": _fingerprint(api)}
 
+        def text_of(c: Completion) -> tuple[str, Any]:
+            """The reply's text and stop reason (with a parser: what the parser reads)."""
+            return codec.finished_text(c, req.stops(), req.stop_token_ids or [], req.include_stop_str_in_output,
+                                       skip_special_tokens)
+
         def choices_of(sampled: Sampled) -> list[dict]:
             choices = []
             for index, c in sampled.choices():
                 if c is None:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                    choices.append({"index": index, "message": {"role": reply_role, "content": ""}, "logprobs": None,
                                     "finish_reason": "abort", "stop_reason": None,
                                     "token_ids": [] if req.return_token_ids else None})
                     continue
-                # A tool-call parser reads the markup special tokens may carry; the content is shown without them.
-                text, stop_reason = codec.finished_text(c, req.stops(), req.stop_token_ids or [],
-                                                        req.include_stop_str_in_output,
-                                                        req.skip_special_tokens and not parse_tools)
+                text, stop_reason = text_of(c)
                 calls, finish_reason = [], c.finish_reason
                 if forced is not None:  # the reply is the calls (vLLM: empty content, a named call ends as "stop")
                     calls, text = forced_calls(text, forced), ""
                     finish_reason = "tool_calls" if forced == "required" and c.finish_reason == "stop" else finish_reason
-                elif parse_tools:
-                    text, calls = parse_hermes(text)
-                    text = codec.without_special_tokens(text) if req.skip_special_tokens else text
-                    finish_reason = "tool_calls" if calls else finish_reason
-                message = {"role": "assistant", "content": text or (None if calls and forced is None else ""),
-                           **({"tool_calls": calls} if calls else {})}
+                elif tools is not None:
+                    text, calls, finish_reason = tools.parse(text, c.token_ids, c.finish_reason)
+                content = echoed + text if echoed and text is not None else text
+                message = {"role": reply_role, "content": content, **({"tool_calls": calls} if calls else {})}
                 choices.append({
                     "index": index, "message": message,
                     "logprobs": {"content": _chat_logprobs(codec, c.token_ids, c.logprobs, c.top_logprobs,
                                                            req.return_tokens_as_token_ids)} if req.logprobs else None,
                     "finish_reason": finish_reason, "stop_reason": stop_reason,
-                    "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c)})
+                    "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c),
+                    **_routes_from(c, req.routed_experts_prompt_start)})
             return choices
 
         def role(index: int) -> dict:
-            return {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]}
+            return {**head, "choices": [{"index": index, "delta": {"role": reply_role, "content": ""},
+                                         "logprobs": None, "finish_reason": None}],
+                    **({"prompt_text": prompt_text} if req.return_prompt_text else {})}
 
         def ending(choice: dict, content: str | None, token_ids, logprobs) -> list[dict]:
             i = choice["index"]
@@ -528,27 +606,51 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                           "weight_versions": choice.get("weight_versions")}]}]
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
-        if streams(req, api, sampling, req.logprobs) and not parse_tools and forced is None:
+        if streams(req, api, sampling, req.logprobs) and forced is None:
             first = [role(i) for i in range(sampling.n)]
             if req.return_token_ids:
                 first[0]["prompt_token_ids"] = prompt_ids
+            calls_of: dict[int, ToolCallStream] = {}
+            """Per choice, its reply read by the parser as it streams."""
 
-            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops, _ranks) -> dict:
+            def piece(index: int, text: str, token_ids: list[int], logprobs: list[float], tops, _ranks) -> dict | None:
                 entries = {"content": _chat_logprobs(codec, token_ids, logprobs, tops, req.return_tokens_as_token_ids)
                            } if req.logprobs else None
-                return {**head, "choices": [{"index": index, "delta": {"content": text}, "logprobs": entries,
+                delta: dict | None = {"content": text}
+                if tools is not None:
+                    delta = calls_of.setdefault(index, tools.stream(prompt_ids)).delta(text, token_ids, finished=False)
+                    if delta is None:  # text the parser holds back: a chunk only for the tokens' ids or log-probs
+                        if entries is None and not req.return_token_ids:
+                            return None
+                        delta = {}
+                return {**head, "choices": [{"index": index, "delta": delta, "logprobs": entries,
                                              "finish_reason": None,
                                              **({"token_ids": token_ids} if req.return_token_ids else {})}]}
 
             def last(sampled: Sampled, sent: dict[int, StreamedText]) -> list[dict]:
-                return [event for choice in choices_of(sampled) for event in ending(
-                    choice, sent[choice["index"]].rest(choice["message"]["content"] or "") if choice["index"] in sent
-                    else choice["message"]["content"], None, None)]
+                if tools is None:
+                    return [event for choice in choices_of(sampled) for event in ending(
+                        choice, sent[choice["index"]].rest(choice["message"]["content"] or "") if choice["index"] in sent
+                        else choice["message"]["content"], None, None)]
+                events = []
+                for index, c in sampled.choices():  # the text not yet sent goes through the parser, which ends
+                    if c is None:
+                        events.append({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
+                                                            "finish_reason": "abort", "stop_reason": None}]})
+                        continue
+                    text, stop_reason = text_of(c)
+                    calls = calls_of.setdefault(index, tools.stream(prompt_ids))
+                    delta = calls.delta(sent[index].rest(text) if index in sent else text, [], finished=True)
+                    events.append({**head, "choices": [{
+                        "index": index, "delta": delta or {}, "logprobs": None,
+                        "finish_reason": calls.finish_reason(c.finish_reason), "stop_reason": stop_reason,
+                        "weight_versions": _spans(c)}]})
+                return events
             return stream_as_sampled(api, "chat", request, [prompt_ids], sampling, session, fields,
-                                     lambda _: StreamedText(codec, req.stops(), req.skip_special_tokens,
+                                     lambda _: StreamedText(codec, req.stops(), skip_special_tokens,
                                                             req.stop_token_ids or [], req.ignore_eos,
                                                             req.include_stop_str_in_output),
-                                     first, piece, last, usage_head)
+                                     first, piece, last, usage_head, req.stream_interval)
         sampled = await sample(api, "chat", [prompt_ids], sampling, session, fields, request)
         if sampled is None:
             return Response(status_code=499)
@@ -556,7 +658,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         payload = {"id": ident, "object": "chat.completion", "created": created, "model": model,
                    "system_fingerprint": head["system_fingerprint"], "choices": choices_of(sampled), "usage": sampled.usage,
                    "prompt_token_ids": prompt_ids if req.return_token_ids else None,
-                   "prompt_logprobs": _prompt_logprobs(codec, first, prompt_ids) if first else None}
+                   "prompt_logprobs": _prompt_logprobs(codec, first, prompt_ids) if first else None,
+                   "prompt_text": prompt_text if req.return_prompt_text else None}
 
         def chunks(p):
             out = [event for choice in p["choices"]
@@ -575,10 +678,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         if req.output_mode == "text" and not req.sampling_params.detokenize:
             raise InvalidRequest("output_mode", "'text' needs sampling_params.detokenize true")
         sampling = req.sampling(max_tokens(api, req.sampling_params.max_tokens, [req.token_ids]))
-        start = req.sampling_params.routed_experts_prompt_start
-        if start is not None and not 0 <= start <= len(req.token_ids):
-            raise InvalidRequest("sampling_params.routed_experts_prompt_start",
-                                 f"is {start}; it must be within the prompt (0 to {len(req.token_ids)})")
+        _check_routes_start(req.sampling_params.routed_experts_prompt_start, req.token_ids,
+                            "sampling_params.routed_experts_prompt_start")
         session = session_of(request, req.session_id)
         fields = lambda f: _renamed(f, "token_ids", False, sampling_prefix="sampling_params.")  # noqa: E731
         codec = serving.codec(api) if req.output_mode == "text" else None
@@ -605,8 +706,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                 choice = {"index": index, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
                           "weight_versions": _spans(c), "stop_reason": None,
                           "logprobs": entries(c.token_ids, c.logprobs, c.top_logprobs, c.ranks)}
-                if c.routed_experts is not None:
-                    choice["routed_experts"] = _routed_experts(c, params.routed_experts_prompt_start or 0)
+                choice.update(_routes_from(c, params.routed_experts_prompt_start))
                 if codec is not None:
                     choice["text"], choice["stop_reason"] = codec.finished_text(
                         c, stops, params.stop_token_ids or [], params.include_stop_str_in_output,
@@ -638,7 +738,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                      lambda _: StreamedText(codec, stops, params.skip_special_tokens,
                                                             params.stop_token_ids or [], params.ignore_eos,
                                                             params.include_stop_str_in_output) if codec else _NO_TEXT,
-                                     [], piece, last, usage_head)
+                                     [], piece, last, usage_head, params.stream_interval)
         sampled = await sample(api, "generate", [req.token_ids], sampling, session, fields, request)
         if sampled is None:
             return Response(status_code=499)
@@ -659,7 +759,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("prompt", "give a prompt or messages, not both")
         if req.messages is not None:
-            tokens = codec.render_chat(req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+            tokens = codec.render_chat(req.messages, as_rendered(req.tools), req.add_generation_prompt, req.chat_template_kwargs)
             if req.add_special_tokens:
                 tokens = codec.encode(codec.decode(tokens, skip_special_tokens=False), True, "messages")
         else:
@@ -776,9 +876,9 @@ def _truncated(c: Completion, tokens: int) -> Completion:
                                 "token_versions": None if c.token_versions is None else c.token_versions[:tokens]})
 
 
-def _constraint_field(req, forced) -> str:
-    """The request's field that brought its structured-outputs constraint."""
-    if forced is not None:
+def _constraint_field(req, by_tools: bool) -> str:
+    """The request's field that brought its structured-outputs constraint (`by_tools`: its tools did)."""
+    if by_tools:
         return "tools"
     return "response_format" if req.structured_outputs is None and req.response_format is not None \
         else "structured_outputs"

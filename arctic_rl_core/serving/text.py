@@ -43,8 +43,16 @@ class TextCodec:
         return list(ids)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
-                    template_kwargs: dict[str, Any] | None) -> list[int]:
-        """The prompt's token ids by the model's own chat template; a list it cannot render is refused.
+                    template_kwargs: dict[str, Any] | None, **options) -> list[int]:
+        """The prompt's token ids by the model's own chat template (`chat_text`)."""
+        # The template writes any special tokens itself: tokenizing adds none.
+        return self.encode(self.chat_text(messages, tools, add_generation_prompt, template_kwargs, **options),
+                           add_special_tokens=False, field="messages")
+
+    def chat_text(self, messages: list[dict[str, Any]], tools: list[dict] | None, add_generation_prompt: bool,
+                  template_kwargs: dict[str, Any] | None, continue_final_message: bool = False,
+                  documents: list[dict[str, str]] | None = None) -> str:
+        """The prompt's text by the model's own chat template; a list it cannot render is refused.
         `template_kwargs` reach the template as variables, never as options of the renderer (a request
         must not bring its own template)."""
         from jinja2 import TemplateError
@@ -57,13 +65,16 @@ class TextCodec:
         for i, message in enumerate(messages):
             if not isinstance(message.get("role"), str):
                 raise InvalidRequest(f"messages[{i}].role", "every message needs a role")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest("continue_final_message", "continues the last message: it needs "
+                                                           "add_generation_prompt false")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **(template_kwargs or {}))
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False,
+                continue_final_message=continue_final_message, **({"documents": documents} if documents else {}),
+                **(template_kwargs or {}))
         except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as err:
             raise InvalidRequest("messages", f"the model's chat template cannot render them: {err}") from None
-        # The template writes any special tokens itself: tokenizing adds none.
-        return self.encode(text, add_special_tokens=False, field="messages")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
