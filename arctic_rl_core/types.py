@@ -292,6 +292,23 @@ MAX_CONSTRAINT_CHARS = 65536
 compiled before the first token, so its size is capped as any request's work."""
 
 
+class RepetitionDetection(_Strict):
+    """vLLM's `RepetitionDetectionParams`: a completion whose last tokens are one pattern of `min_pattern_size` to
+    `max_pattern_size` tokens repeated `min_count` times in a row ends there, finish reason `repetition` (its
+    tokens kept): a degenerate rollout stops instead of filling its budget."""
+
+    max_pattern_size: int = Field(ge=1)
+    min_pattern_size: int = Field(default=1, ge=1)
+    min_count: int = Field(ge=2)
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "RepetitionDetection":
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(f"min_pattern_size ({self.min_pattern_size}) must not exceed max_pattern_size "
+                             f"({self.max_pattern_size})")
+        return self
+
+
 class StructuredOutputs(_Strict):
     """Constrained decoding, as vLLM's `StructuredOutputsParams`: at each step the sampler masks the tokens the
     constraint does not allow (vLLM's grammar engine, xgrammar). Exactly one constraint. The distribution sampled
@@ -374,6 +391,8 @@ class SamplingParams(_Strict):
     """Only these tokens are sampled (vLLM's); empty: every token."""
     bad_words: list[str] = Field(default_factory=list)
     """Never sampled (vLLM's: a word's tokens are blocked once its other tokens precede)."""
+    repetition_detection: RepetitionDetection | None = None
+    """End a completion that repeats a pattern (vLLM's); None: never."""
     adapter: str | None = Field(default=None, min_length=1, max_length=256)
     """Sample with this LoRA adapter on the sampler's base model: one the server gave the sampler (a Tinker
     tenant's saved weights, `sampler.adapters`); None: the sampler's weights alone."""
@@ -436,7 +455,7 @@ class Completion(_Strict):
     token_ids: list[int]
     logprobs: list[float]
     """Log-prob of each sampled token under the temperature-scaled policy."""
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: Literal["stop", "length", "abort", "repetition"]
     """`abort`: the generation was cut short (`abort_generation`, the serving routes' `/pause`); its tokens
     are what was sampled until then, with their log-probs."""
     weight_version: int
@@ -464,7 +483,7 @@ class Turn(_Strict):
     """The prompt's token ids as rendered and sampled from (never re-tokenised)."""
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length", "abort"]
+    finish_reason: Literal["stop", "length", "abort", "repetition"]
     weight_version: int
     token_versions: list[int] | None = None
     """As `Completion.token_versions`."""

@@ -236,6 +236,20 @@ def test_bad_input_is_a_4xx_in_openais_error_shape(server, sdk):
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                     extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' * 10**9 }}"}})
     assert err.value.body["param"] == "chat_template_kwargs.chat_template"
+    hi = [{"role": "user", "content": "hi"}]
+    for extra, param in [  # vLLM's fields, each refused by name where it cannot be honoured
+            ({"repetition_detection": {"max_pattern_size": 4, "min_count": 3}}, "repetition_detection"),  # sampler
+            ({"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}, "repetition_detection.min_count"),
+            ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt true
+            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+            ({"truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+            ({"kv_transfer_params": {"prompt_token_ids": [1, 2]}}, "kv_transfer_params.prompt_token_ids"),
+            ({"media_io_kwargs": {"video": {"fps": 1}}}, "media_io_kwargs"),
+            ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+            ({"routed_experts_prompt_start": 10**6}, "routed_experts_prompt_start")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, extra_body=extra)
+        assert err.value.body["param"] == param, (extra, err.value.body)
     big = httpx.post(f"{url}/tokenize", json={"prompt": "x" * (65 * 2**20)}, timeout=60)
     assert big.status_code == 413 and "serving_body_bytes" in big.json()["error"]["message"]
     over = sdk.completions.with_raw_response  # a cap of the server's, named by the route's own field
@@ -510,3 +524,35 @@ def test_pause_abort_ends_the_samplers_call_in_flight_so_a_weight_sync_need_not_
         after = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 3}, timeout=60).json()
         assert {c["finish_reason"] for c in after["choices"]} <= {"stop", "length"}
         assert all(c["weight_versions"][0]["version"] == "1" for c in after["choices"])
+
+
+def test_vllms_prompt_fields_shape_the_prompt_the_sampler_sees(server):
+    url, _ = server
+    messages = [{"role": "user", "content": "Name the weather in Paris."}, {"role": "assistant", "content": "It is"}]
+
+    def chat(**extra) -> dict:
+        response = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": MODEL, "messages": messages[:1], "max_tokens": 3, "temperature": 0, "return_token_ids": True,
+            **extra})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    whole = chat(return_prompt_text=True)
+    full = whole["prompt_token_ids"]
+    tokenized = httpx.post(f"{url}/tokenize", json={"prompt": whole["prompt_text"], "add_special_tokens": False}).json()
+    assert tokenized["tokens"] == full and whole["prompt_text"].endswith("<|im_start|>assistant\n")
+    assert chat(truncate_prompt_tokens=5)["prompt_token_ids"] == full[-5:]
+    assert chat(truncate_prompt_tokens=5, truncation_side="right")["prompt_token_ids"] == full[:5]
+    assert chat(truncate_prompt_tokens=200)["prompt_token_ids"] == full  # longer than the prompt: as it is
+    # the last message continued: rendered open, so the prompt ends with its text
+    continued = chat(messages=messages, add_generation_prompt=False, continue_final_message=True, return_prompt_text=True)
+    assert continued["prompt_text"].endswith("It is") and continued["choices"][0]["message"]["role"] == "assistant"
+    # echo: the last message's content before the reply's where it has the reply's role, and the prompt's log-probs
+    echoed = chat(messages=messages, add_generation_prompt=False, continue_final_message=True, echo=True)
+    assert echoed["choices"][0]["message"]["content"].startswith("It is")
+    assert len(echoed["prompt_logprobs"]) == len(echoed["prompt_token_ids"])
+    # without a generation prompt the reply's role is the last message's
+    assert chat(messages=messages[:1], add_generation_prompt=False)["choices"][0]["message"]["role"] == "user"
+    with_documents = chat(documents=[{"title": "Paris", "text": "Sunny."}], reasoning_effort="low", priority=3,
+                          watermarking=True, vllm_xargs={"note": 1}, return_token_offsets=True)
+    assert with_documents["choices"][0]["finish_reason"] in ("stop", "length")

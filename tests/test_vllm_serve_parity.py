@@ -58,6 +58,9 @@ SHARED = {
     "session_id": ({"session_id": "parity"}, True),
     "model": ({}, True),
     "truncate_prompt_tokens": ({"truncate_prompt_tokens": 5}, True),
+    # a greedy random model falls into a loop: both end it at the same token, finish reason "repetition"
+    "repetition_detection": ({"repetition_detection": {"max_pattern_size": 4, "min_count": 3}, "max_tokens": 64,
+                              "ignore_eos": True}, True),
     "truncation_side": ({"truncate_prompt_tokens": 5, "truncation_side": "right"}, True),
     "stream_interval": ({"stream": True, "stream_interval": 3}, True),
     "routed_experts_prompt_start": ({"routed_experts_prompt_start": 0}, True),
@@ -118,7 +121,6 @@ COMPLETIONS = {
 NOT_HERE = {
     "use_beam_search": "no beam search: a beam is not a sample of the policy", "length_penalty": "beam search's",
     "logprob_token_ids": "not yet",
-    "repetition_detection": "not yet",
 }
 # Refused by both, under these servers' flags: (route, value).
 REFUSED_BY_BOTH = {
@@ -159,7 +161,9 @@ def servers(tmp_path_factory):
     ours, theirs = _ports(2)
     # Tool calls read by the same parser on both (vLLM also wants auto tool choice turned on).
     arctic = _arctic_command(model, ours, work, "in_process") + ["--tool-call-parser", "hermes"]
-    vllm = _vllm_command(model, theirs) + ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    # (and the token-in, token-out route, which vLLM serves only when asked)
+    vllm = _vllm_command(model, theirs) + ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                           "--enable-scale-out"]
     with _server(arctic, env, f"http://127.0.0.1:{ours}", os.path.join(work, "arctic.log")) as arctic_url, \
             _server(vllm, env, f"http://127.0.0.1:{theirs}", os.path.join(work, "vllm.log")) as vllm_url:
         yield {"arctic": arctic_url, "vllm": vllm_url}
@@ -210,7 +214,8 @@ def _texts(body: dict) -> list:
     for choice in body.get("choices", []):
         message = choice.get("message") or {}
         calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls") or []]
-        out.append([choice.get("text", message.get("content")), calls, choice.get("finish_reason")])
+        out.append([choice.get("text", message.get("content")), calls, choice.get("finish_reason"),
+                    choice.get("stop_reason")])
     return out
 
 
@@ -239,8 +244,7 @@ def test_every_parameter_vllm_serve_takes_is_taken_alike(servers, route, table):
 
 @pytest.mark.parametrize("name", sorted(NOT_HERE))
 def test_what_is_not_here_is_refused_by_name(servers, name):
-    value = {"use_beam_search": True, "length_penalty": 0.5, "logprob_token_ids": [5, 6],
-             "repetition_detection": {"max_pattern_size": 4, "min_count": 3}}[name]
+    value = {"use_beam_search": True, "length_penalty": 0.5, "logprob_token_ids": [5, 6]}[name]
     body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
             name: value}
     status, answer = _post(servers["arctic"], "/v1/chat/completions", body)
@@ -270,3 +274,20 @@ def test_stream_interval_cuts_a_stream_into_the_same_pieces(servers):
     ours, theirs = (_pieces(servers[side], body) for side in ("arctic", "vllm"))
     assert sum(ours) == 11 and [n for n in ours if n] == [1, 4, 4, 2], ours  # the first token at once
     assert [n for n in ours if n] == [n for n in theirs if n], (ours, theirs)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/inference/v1/generate"])
+def test_repetition_detection_ends_a_loop_where_vllm_serve_ends_it(servers, route):
+    detect = {"max_pattern_size": 4, "min_count": 3}
+    if route == "/v1/completions":
+        body = {"model": "tiny", "prompt": "The weather in Paris is", "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, "repetition_detection": detect}
+    else:
+        body = {"model": "tiny", "token_ids": [5, 9, 33, 70, 12], "sampling_params": {
+            "max_tokens": 200, "temperature": 0, "ignore_eos": True, "repetition_detection": detect}}
+    ours, theirs = (httpx.post(servers[side] + route, json=body, timeout=120).json()["choices"][0]
+                    for side in ("arctic", "vllm"))
+    # a greedy random model falls into a loop: both end it at the same token, the repeats kept
+    assert ours["finish_reason"] == "repetition" and ours["stop_reason"] == "repetition_detected", ours
+    assert len(ours["token_ids"]) < 200 and ours["token_ids"] == theirs["token_ids"]
+    assert [ours["finish_reason"], ours["stop_reason"]] == [theirs["finish_reason"], theirs["stop_reason"]]

@@ -19,7 +19,7 @@ class Sampler(ABC):
     sampling is reshaped (`SamplingParams.reshaped_by`: truncation, min_p, min_tokens, penalties); where not, the
     backend refuses such a request by name rather than report other numbers."""
     unsupported_sampling: frozenset[str] = frozenset({"structured_outputs", "logit_bias", "allowed_token_ids",
-                                                      "bad_words"})
+                                                      "bad_words", "repetition_detection"})
     """Sampling parameters it cannot apply: refused by name unless at their default. A sampler applies these
     (vLLM's logits processors and grammar engines) only where it says so."""
     concurrent_generate: bool = False

@@ -39,7 +39,7 @@ from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIG
 from arctic_rl_core.samplers.vllm_plain_weights import PACKED_LOAD_FORMAT as PACKED_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
 from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
-from arctic_rl_core.types import Completion, SamplingParams, StructuredOutputs
+from arctic_rl_core.types import Completion, RepetitionDetection, SamplingParams, StructuredOutputs
 
 log = logging.getLogger("arctic_rl.sampler")
 
@@ -70,6 +70,15 @@ def _structured_outputs(constraint: StructuredOutputs | None):
     return StructuredOutputsParams(json=constraint.json_schema, json_object=constraint.json_object or None,
                                    regex=constraint.regex, choice=constraint.choice, grammar=constraint.grammar,
                                    structural_tag=constraint.structural_tag)
+
+
+def _repetition(detection: RepetitionDetection | None):
+    if detection is None:
+        return None
+    from vllm.sampling_params import RepetitionDetectionParams
+
+    return RepetitionDetectionParams(max_pattern_size=detection.max_pattern_size,
+                                     min_pattern_size=detection.min_pattern_size, min_count=detection.min_count)
 
 
 def _top(step: dict, k: int) -> list[tuple[int, float]]:
@@ -184,7 +193,7 @@ class VLLMSampler(Sampler):
             # Callers get token ids (the serving routes decode them): vLLM writes text only to find stop strings.
             detokenize=bool(sampling.stop), structured_outputs=_structured_outputs(sampling.structured_outputs),
             logit_bias=sampling.logit_bias or None, allowed_token_ids=sampling.allowed_token_ids or None,
-            bad_words=sampling.bad_words or None,
+            bad_words=sampling.bad_words or None, repetition_detection=_repetition(sampling.repetition_detection),
         )
 
     def abort_generation(self) -> bool:
@@ -269,7 +278,7 @@ class VLLMSampler(Sampler):
         completions = []
         for index, result in enumerate(results):
             for sample in result.samples:
-                if sample.finish_reason not in ("stop", "length", "abort"):
+                if sample.finish_reason not in ("stop", "length", "abort", "repetition"):
                     raise ArcticRLError(f"vLLM ended a completion of prompts[{index}] with {sample.finish_reason!r}")
                 completions.append(
                     Completion(

@@ -21,7 +21,7 @@ from arctic_rl_core.types import MAX_TOP_LOGPROBS, SESSION_ID_CHARS, SamplingPar
 # Parameters accepted only at the value that leaves sampling as it is.
 NEUTRAL: dict[str, Any] = {
     "suffix": "", "features": {}, "content_parts": [], "logits_processors": [], "thinking_token_budget": None,
-    "prompt_logprob_token_ids": [], "logprob_token_ids": [], "repetition_detection": None, "extra_args": {},
+    "prompt_logprob_token_ids": [], "logprob_token_ids": [], "extra_args": {},
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "reasoning_ended": None, "reasoning_parser_kwargs": None,
     # vLLM refuses these unless started with --trust-request-mm-kwargs; empty, they change nothing (text models)
@@ -76,6 +76,20 @@ class StructuredOutputsRequest(_Request):
     disable_additional_properties: Literal[False] = False
     whitespace_pattern: None = None
     """vLLM's backend options: only at their defaults (this server lets vLLM choose the grammar backend)."""
+
+
+class RepetitionDetectionRequest(_Request):
+    """vLLM's `repetition_detection`: `max_pattern_size` 0 turns it off; `min_pattern_size` 0 means 1."""
+
+    max_pattern_size: int = Field(0, ge=0)
+    min_pattern_size: int = Field(0, ge=0)
+    min_count: int = Field(0, ge=0)
+
+    def as_sampling(self) -> dict | None:
+        if self.max_pattern_size == 0:
+            return None
+        return {"max_pattern_size": self.max_pattern_size, "min_pattern_size": self.min_pattern_size or 1,
+                "min_count": self.min_count}
 
 
 class JsonSchemaFormat(_Request):
@@ -135,6 +149,7 @@ class _Sampled(_Request):
     bad_words: list[str] | None = None
     include_reasoning: bool = True
     """vLLM's: without a reasoning parser (this server has none) the reply has no reasoning to leave out."""
+    repetition_detection: RepetitionDetectionRequest | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     """vLLM's: the prompt's tokens (after templating) cut to this many, from `truncation_side`; -1: to the model's
     context (less one where a token budget is given)."""
@@ -202,12 +217,13 @@ class _Sampled(_Request):
 
 
 def _shaping(request) -> dict:
-    """The penalties, min_p, biases, allowed and banned tokens and whose log-probs, as `SamplingParams` names them
-    (a null is the default)."""
+    """The penalties, min_p, biases, allowed and banned tokens, repetition detection and whose log-probs, as
+    `SamplingParams` names them (a null is the default)."""
     values = {"min_p": request.min_p, "logprobs_of": request.logprobs_of, "presence_penalty": request.presence_penalty,
               "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
               "logit_bias": request.logit_bias, "allowed_token_ids": request.allowed_token_ids,
-              "bad_words": request.bad_words}
+              "bad_words": request.bad_words,
+              "repetition_detection": request.repetition_detection and request.repetition_detection.as_sampling()}
     return {name: value for name, value in values.items() if value is not None}
 
 
@@ -300,6 +316,7 @@ class TokenSamplingParams(_Request):
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    repetition_detection: RepetitionDetectionRequest | None = None
     logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
     flat_logprobs: bool = False

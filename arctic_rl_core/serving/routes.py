@@ -713,6 +713,8 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                         params.skip_special_tokens)
                 elif c.finish_reason == "stop" and c.token_ids and c.token_ids[-1] in (params.stop_token_ids or []):
                     choice["stop_reason"] = c.token_ids[-1]
+                elif c.finish_reason == "repetition":
+                    choice["stop_reason"] = "repetition_detected"
                 choices.append(choice)
             return choices
 

@@ -105,10 +105,12 @@ class TextCodec:
                       include_stop: bool, skip_special_tokens: bool) -> tuple[str, int | str | None]:
         """The completion's text as vLLM's detokenizer writes it (the token ids keep every sampled token): cut
         before a stop string it ends with; without the stop token (EOS or one of `stop_token_ids`) that ended it;
-        without a last character whose bytes never all came. And what stopped it: the stop string or token id;
-        None for EOS or length. `include_stop` keeps the stop string or token."""
+        without a last character whose bytes never all came. And what stopped it: the stop string or token id,
+        `repetition_detected`; None for EOS or length. `include_stop` keeps the stop string or token."""
         ids = completion.token_ids
         text = self.decode(ids, skip_special_tokens).rstrip("\ufffd")
+        if completion.finish_reason == "repetition":  # vLLM's: the repeated tokens stay
+            return text, "repetition_detected"
         if completion.finish_reason != "stop":
             return text, None
         hits = [(text.find(s), s) for s in stops if s and s in text]
