@@ -81,8 +81,9 @@ class TrainingAPI(ABC):
         """Save model, optimizer and counters to directory `path`."""
 
     @abstractmethod
-    def load_checkpoint(self, path: str) -> CheckpointInfo:
-        """Restore what `save_checkpoint` saved; the sampler is synced to the restored weights."""
+    def load_checkpoint(self, path: str, optimizer: bool = True) -> CheckpointInfo:
+        """Restore what `save_checkpoint` saved; the sampler is synced to the restored weights. `optimizer=False`:
+        the weights only, with a fresh optimizer (a new run from a trained model: RL from an SFT checkpoint)."""
 
     @abstractmethod
     def state_digest(self) -> str:

@@ -531,7 +531,7 @@ class InProcessBackend(TrainingAPI):
                 self.critic.save(os.path.join(path, CRITIC_DIR), {})
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
-    def load_checkpoint(self, path: str, publish: bool = True) -> CheckpointInfo:
+    def load_checkpoint(self, path: str, optimizer: bool = True, publish: bool = True) -> CheckpointInfo:
         """`publish=False` restores the training state and leaves the sampler's weights and version as they are
         (a Tinker model time-sharing the engine: the sampler holds another timeline's weights)."""
         if not isinstance(path, str) or not path:
@@ -539,9 +539,9 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock, self._critic_lock, self._weights_lock, self._sampler_lock:
             if self.critic is not None and not os.path.isdir(os.path.join(path, CRITIC_DIR)):
                 raise InvalidRequest("path", f"{path!r} holds no critic ({CRITIC_DIR}/): saved by a job without one")
-            state = self.engine.load(path)
+            state = self.engine.load(path, optimizer=optimizer)
             if self.critic is not None:
-                self.critic.load(os.path.join(path, CRITIC_DIR))
+                self.critic.load(os.path.join(path, CRITIC_DIR), optimizer=optimizer)
                 self._critic_accumulated.clear()
             self._accumulated.clear()
             if not publish:

@@ -48,6 +48,11 @@ class CheckpointRequest(_Message):
     path: str = Field(min_length=1)
 
 
+class LoadCheckpointRequest(CheckpointRequest):
+    optimizer: bool = True
+    """False: the weights only, with a fresh optimizer."""
+
+
 class GenerateResponse(_Message):
     completions: list[Completion]
 
@@ -107,7 +112,7 @@ CALLS: dict[str, Call] = {
         Call("step", StepRequest, StepResult, ordered=True),
         Call("sync_weights", Empty, WeightVersionResponse, ordered=True, returns="weight_version"),
         Call("save_checkpoint", CheckpointRequest, CheckpointInfo, ordered=True),
-        Call("load_checkpoint", CheckpointRequest, CheckpointInfo, ordered=True),
+        Call("load_checkpoint", LoadCheckpointRequest, CheckpointInfo, ordered=True),
         Call("state_digest", Empty, DigestResponse, ordered=True, returns="digest"),
         Call("weight_version", Empty, WeightVersionResponse, ordered=False, returns="weight_version", attribute=True),
     )

@@ -43,12 +43,12 @@ def save(api: TrainingAPI, framework: str, local_dir: str, **extra: Any) -> dict
     return record
 
 
-def load(api: TrainingAPI, local_dir: str) -> dict[str, Any]:
-    """Load the server's checkpoint that `local_dir` records; the record."""
+def load(api: TrainingAPI, local_dir: str, optimizer: bool = True) -> dict[str, Any]:
+    """Load the server's checkpoint that `local_dir` records (`optimizer=False`: its weights only); the record."""
     try:
         with open(os.path.join(local_dir, RECORD_FILE)) as f:
             record = json.load(f)
     except FileNotFoundError:
         raise NoCheckpointRecord(f"{local_dir} was not saved through Arctic RL (no {RECORD_FILE})") from None
-    api.load_checkpoint(record["name"])
+    api.load_checkpoint(record["name"], optimizer=optimizer)
     return record

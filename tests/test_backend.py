@@ -1,6 +1,8 @@
 """The in-process training API on the real DeepSpeed engine and a tiny model."""
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -245,3 +247,39 @@ def test_ignore_eos_samples_on_past_the_end_of_sequence_token(make_backend):
     assert any(eos in c.token_ids[:-1] for c in went_on)
     scored = api.log_probs([Sequence(prompt_ids=prompt, response_ids=c.token_ids) for c in went_on]).logprobs
     assert max(abs(a - b) for c, lp in zip(went_on, scored) for a, b in zip(c.logprobs, lp)) < 1e-4
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_weights_only_restore_trains_on_as_a_new_job_from_those_weights(make_backend, tiny_model, tmp_path, stage):
+    """`load_checkpoint(optimizer=False)` (Tinker's load_state; RL from an SFT checkpoint): the checkpoint's weights
+    with a fresh optimizer. The reference is a new job whose model is those weights, exported to a Hugging Face
+    folder: its AdamW never stepped."""
+    from transformers import AutoModelForCausalLM
+
+    trained = make_backend(zero_stage=stage)
+    for _ in range(2):
+        trained.fwd_bwd(grpo_batch(), "grpo")
+        trained.step(learning_rate=1e-2)
+    checkpoint = str(tmp_path / "checkpoint")
+    trained.save_checkpoint(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    model.load_state_dict(weights(trained))
+    model.save_pretrained(tmp_path / "exported")
+    for name in os.listdir(tiny_model):  # its tokenizer
+        if name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation_config")):
+            shutil.copy(os.path.join(tiny_model, name), tmp_path / "exported")
+    trained.fwd_bwd(grpo_batch(), "grpo")  # the moments move on past the checkpoint
+    trained.step(learning_rate=1e-2)
+    trained.load_checkpoint(checkpoint, optimizer=False)
+    trained.save_checkpoint(str(tmp_path / "fresh"))  # a fresh optimizer saves and loads (a tenant parked, say)
+    trained.load_checkpoint(str(tmp_path / "fresh"))
+    new_job = make_backend(model_path=str(tmp_path / "exported"), zero_stage=stage)
+    resumed = make_backend(zero_stage=stage)
+    resumed.load_checkpoint(checkpoint)  # with its optimizer: the moments of two steps
+    batch = grpo_batch(groups=3)
+    for backend in (trained, new_job, resumed):
+        backend.fwd_bwd(batch, "grpo")
+        backend.step(learning_rate=1e-2)
+    restored, new = weights(trained), weights(new_job)
+    assert all(torch.allclose(restored[n], new[n], rtol=1e-6, atol=1e-8) for n in new)
+    assert not all(torch.allclose(w, new[n], rtol=1e-6, atol=1e-8) for n, w in weights(resumed).items())

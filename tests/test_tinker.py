@@ -320,12 +320,15 @@ def test_state_saved_and_loaded_through_tinker_paths(server, arctic):
         tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
         saved = tc.save_state("after-one").result().path
         digest = arctic.state_digest()
+        loss_saved = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
         assert saved.startswith("tinker://") and saved.endswith("/weights/after-one")
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
         assert arctic.state_digest() != digest
-        with pytest.raises(tinker.BadRequestError, match="optimizer"):
-            tc.load_state(saved).result()
+        # load_state: the saved weights, with a fresh optimizer (its moments are gone: another digest)
+        tc.load_state(saved).result()
+        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == loss_saved
+        assert arctic.state_digest() != digest
         tc.load_state_with_optimizer(saved).result()
         assert arctic.state_digest() == digest
         with pytest.raises(tinker.BadRequestError, match="path"):
@@ -336,6 +339,13 @@ def test_state_saved_and_loaded_through_tinker_paths(server, arctic):
     with service(server) as sc:
         tc = sc.create_training_client_from_state_with_optimizer(saved).result()
         assert arctic.state_digest() == digest
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+    # ... or starts a new run from its weights (the cookbook's load_checkpoint_path: RL from an SFT checkpoint)
+    with service(server) as sc:
+        tc = sc.create_training_client_from_state(saved).result()
+        assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == loss_saved
+        assert arctic.state_digest() != digest
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
 

@@ -70,9 +70,10 @@ class TrainingEngine(ABC):
         """Model and optimizer state; `trainable_only` leaves out frozen weights (a LoRA job's base model)."""
 
     @abstractmethod
-    def load(self, path: str, trainable_only: bool = False) -> dict:
+    def load(self, path: str, trainable_only: bool = False, optimizer: bool = True) -> dict:
         """Restore model and optimizer; return the client state saved with them. `trainable_only`: the checkpoint
-        holds only the trainable weights, and the frozen ones stay as they are."""
+        holds only the trainable weights, and the frozen ones stay as they are. `optimizer=False`: the weights
+        only, with a fresh optimizer (no moments, as a new engine's)."""
 
     def save_adapter(self, path: str) -> None:
         """A LoRA engine's adapter, as PEFT's `save_pretrained` writes it (weights, no optimizer), in the shape

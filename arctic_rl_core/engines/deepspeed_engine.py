@@ -360,7 +360,7 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine.save_checkpoint(path, tag=_CHECKPOINT_TAG, client_state={**client_state, "steps": self._steps},
                                     exclude_frozen_parameters=trainable_only)
 
-    def load(self, path: str, trainable_only: bool = False) -> dict:
+    def load(self, path: str, trainable_only: bool = False, optimizer: bool = True) -> dict:
         shapes = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in self._trainable}
         preflight(os.path.join(path, _CHECKPOINT_TAG), shapes)
         self.discard_gradients()
@@ -369,6 +369,11 @@ class DeepSpeedEngine(TrainingEngine):
                                                       load_module_strict=not trainable_only)
         self.engine.set_gradient_accumulation_boundary(False)
         self._steps = int(client_state.get("steps", 0))
+        if not optimizer:
+            # Loaded whole first, so that ZeRO's fp32 master copies are the checkpoint's weights; then the moments go.
+            # Every stage's AdamW (the ZeRO optimizers' inner one) starts with no state and makes it at its first step.
+            inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+            inner.state.clear()
         return client_state
 
     def save_adapter(self, path: str) -> None:

@@ -127,8 +127,8 @@ class TrainerRank:
     def save(self, path: str, client_state: dict, trainable_only: bool = False) -> None:
         self.engine.save(path, client_state, trainable_only)
 
-    def load(self, path: str, trainable_only: bool = False) -> dict:
-        return self.engine.load(path, trainable_only)
+    def load(self, path: str, trainable_only: bool = False, optimizer: bool = True) -> dict:
+        return self.engine.load(path, trainable_only, optimizer)
 
     def save_adapter(self, path: str) -> None:
         self.engine.save_adapter(path)
@@ -314,8 +314,8 @@ class TrainerGroup(TrainingEngine):
     def save(self, path: str, client_state: dict, trainable_only: bool = False) -> None:
         self._all("save", path, client_state, trainable_only)
 
-    def load(self, path: str, trainable_only: bool = False) -> dict:
-        return self._all("load", path, trainable_only)[0]
+    def load(self, path: str, trainable_only: bool = False, optimizer: bool = True) -> dict:
+        return self._all("load", path, trainable_only, optimizer)[0]
 
     def save_adapter(self, path: str) -> None:
         self._all("save_adapter", path)

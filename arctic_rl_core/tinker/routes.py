@@ -654,15 +654,15 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         directory = checkpoint_dir(who, match.group("model"), match.group("name"))
         if not os.path.isdir(directory):
             raise NotFound("path", f"no checkpoint {path!r} on this server")
-        if not body.get("optimizer", False):
-            raise InvalidRequest("optimizer", "this server restores a checkpoint's weights with its optimizer state: "
-                                 "use load_state_with_optimizer (create_training_client_from_state_with_optimizer)")
+        optimizer = body.get("optimizer", False)  # load_state: the weights, with a fresh optimizer
+        if not isinstance(optimizer, bool):
+            raise InvalidRequest("optimizer", "must be true or false")
         shape = saved_shape(api, directory)
         if "session_id" in body:  # the SDK's create-from-state: this load makes the model, before its call 1
             model = new_model(api, body, who, shape)
             request_id, start = deferred(model, lambda _: JSONResponse({"type": "load_weights", "path": path,
                                                                         "model_id": model.model_id}),
-                                         lambda: api.load_checkpoint(directory, publish=residency is None))
+                                         lambda: api.load_checkpoint(directory, optimizer, publish=residency is None))
             start()
             return {"request_id": request_id, "model_id": model.model_id}
         model = owned_model(body.get("model_id"), who)
@@ -671,7 +671,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                                  f"model trains rank {lora_rank(api, model.shape)} ({model.shape})")
         return ordered(model, body.get("seq_id"),
                        lambda _: JSONResponse({"type": "load_weights", "path": path, "model_id": model.model_id}),
-                       lambda: api.load_checkpoint(directory, publish=residency is None))
+                       lambda: api.load_checkpoint(directory, optimizer, publish=residency is None))
 
     # -- sampling -----------------------------------------------------------------------------------------
 
