@@ -19,7 +19,7 @@ from tinker_cookbook.supervised import train as sl_train
 from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatasetBuilder
 
 from compat_tests.main_server import serving, serving_light, tiny_qwen3
-from compat_tests.tinker.low_tokens import metrics, rl_config, rl_rewards
+from compat_tests.tinker.low_tokens import VOCAB_HALF, metrics, rl_config, rl_rewards
 
 # As a user of the SDK sets it; a loopback server without a token takes any (the SDK insists on the prefix).
 os.environ.setdefault("TINKER_API_KEY", "tml-loopback")
@@ -83,10 +83,14 @@ def test_three_tenants_run_the_cookbook_rl_loop_at_once_on_one_base_model(tiny_m
 
 
 class FixedRows(SupervisedDataset):
-    """Prompt tokens (weight 0) then a completion (weight 1), the same every batch."""
+    """Prompt tokens (weight 0) then a completion (weight 1) from `first` on, the same every batch."""
+
+    def __init__(self, first: int):
+        self.first = first
 
     def get_batch(self, index: int) -> list[tinker.Datum]:
-        rows = [[11, 12, 13, 40 + k, 41, 42, 43, 44] for k in range(4)]
+        f = self.first
+        rows = [[11, 12, 13, f - 1 + k, f, f + 1, f + 2, f + 3] for k in range(4)]
         return [tinker.Datum(model_input=tinker.ModelInput.from_ints(r[:-1]),
                              loss_fn_inputs={"target_tokens": r[1:], "weights": [0.0] * 3 + [1.0] * (len(r) - 4)})
                 for r in rows]
@@ -100,8 +104,10 @@ class FixedRows(SupervisedDataset):
 
 @chz.chz
 class FixedRowsBuilder(SupervisedDatasetBuilder):
+    first: int = 41
+
     def __call__(self):
-        return FixedRows(), None
+        return FixedRows(self.first), None
 
 
 def test_cookbook_supervised_loop_lowers_the_loss(server, tiny_model, tmp_path):
@@ -111,3 +117,27 @@ def test_cookbook_supervised_loop_lowers_the_loss(server, tiny_model, tmp_path):
     asyncio.run(sl_train.main(config))
     nll = [row["train_mean_nll"] for row in metrics(tmp_path / "sl") if "train_mean_nll" in row]
     assert len(nll) == 8 and nll[-1] < 0.5 * nll[0], nll
+
+
+def test_cookbook_rl_loop_starts_from_its_supervised_loops_checkpoint(tiny_model, tmp_path):
+    """The cookbook's SFT then RL: the supervised loop saves its final state; the RL loop starts from it through
+    `load_checkpoint_path` (the SDK's `create_training_client_from_state`: the weights, a fresh optimizer), both
+    unmodified, on one server that trains two models at once. The supervised rows teach tokens the RL reward does
+    not pay for (the vocabulary's upper half), so the RL loop starts below a random model's reward, which shows it
+    started from those weights, and raises it."""
+    (tmp_path / "server").mkdir()
+    with serving_light(tiny_model, tmp_path / "server", ENGINE, "--tinker-full-parameter",
+                       "--tinker-tenants", "2") as url:
+        sl_config = sl_train.Config(log_path=str(tmp_path / "sl"), model_name=tiny_model, recipe_name="arctic_rl_sft",
+                                    dataset_builder=FixedRowsBuilder(first=VOCAB_HALF + 100), learning_rate=1e-2,
+                                    lr_schedule="constant", base_url=url, eval_every=0, save_every=0, lora_rank=32)
+        asyncio.run(sl_train.main(sl_config))
+        [final] = [row for row in map(json.loads, (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines())
+                   if row.get("name") == "final"]
+        config = rl_config(url, tiny_model, tmp_path / "rl", learning_rate=2e-2)
+        config = chz.replace(config, load_checkpoint_path=final["state_path"])
+        asyncio.run(rl_train.main(config))
+    rewards = rl_rewards(tmp_path / "rl")
+    assert len(rewards) == 10, rewards
+    assert rewards[0] < 0.3, rewards  # the supervised model's: well below a random one's (about 0.5)
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
