@@ -73,6 +73,7 @@ def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, 
     saved_dir = tmp_path / "global_step_1" / "policy"
     dispatch.save_checkpoint("policy", str(saved_dir))
     saved, saved_lr = client.state_digest(), dispatch.schedules["policy"].get_last_lr()[0]
+    saved_logprobs = client.log_probs(batch).logprobs
     # SkyRL's folder holds only the record; the weights are in the server's checkpoint folder.
     assert os.listdir(saved_dir) == [RECORD_FILE]
     record = json.load(open(saved_dir / RECORD_FILE))
@@ -88,6 +89,12 @@ def test_checkpoints_live_on_the_server_and_resume_weights_and_schedule(server, 
     assert resumed.schedules["policy"].get_last_lr()[0] == saved_lr  # the warm-up continues where it was
     with pytest.raises(ArcticSetupError, match=RECORD_FILE):
         resumed.load_checkpoint("policy", str(tmp_path))
+    # Without the optimizer and schedule states: the weights, a fresh optimizer, the schedule from its start
+    restarted = ArcticDispatch(cfg, client, num_training_steps=10)
+    restarted.load_checkpoint("policy", str(saved_dir), load_optimizer_states=False, load_lr_scheduler_states=False)
+    assert client.log_probs(batch).logprobs == saved_logprobs and client.state_digest() != saved
+    assert restarted.schedules["policy"].get_last_lr()[0] == ArcticDispatch(cfg, client, num_training_steps=10
+                                                                             ).schedules["policy"].get_last_lr()[0]
 
 
 def test_the_critics_checkpoint_resumes_the_job_and_the_critics_schedule(server, client, tiny_model, tmp_path):

@@ -283,16 +283,14 @@ class ArcticDispatch:
     def load_checkpoint(self, model: str, ckpt_dir: str, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, model_id=None) -> None:
         self._check_trained(model)
-        if not (load_optimizer_states and load_lr_scheduler_states):
-            raise ArcticSetupError("loading a checkpoint without its optimizer or schedule state: the Arctic RL job "
-                                   "restores both with the weights")
-        try:
-            record = checkpoint_handles.load(self.client, ckpt_dir)
+        try:  # without its optimizer state: the weights, with a fresh optimizer
+            record = checkpoint_handles.load(self.client, ckpt_dir, optimizer=load_optimizer_states)
         except checkpoint_handles.NoCheckpointRecord as err:
             raise ArcticSetupError(str(err)) from None
         self.schedules[model] = self._schedule(model)
-        for _ in range(record["schedule_steps"]):  # the schedule continues where it was saved
-            _advance(self.schedules[model])
+        if load_lr_scheduler_states:
+            for _ in range(record["schedule_steps"]):  # the schedule continues where it was saved
+                _advance(self.schedules[model])
 
     def save_hf_model(self, model: str, export_dir: str, tokenizer) -> None:
         raise ArcticSetupError("trainer.hf_save_interval: the weights are the Arctic RL server's; export them from "
