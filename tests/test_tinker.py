@@ -404,3 +404,50 @@ def test_a_lora_job_trains_adapters_of_the_rank_asked(tiny_model, tmp_path):
             with pytest.raises(tinker.BadRequestError, match="lora_config.*policy has trained.*--tinker-tenants"):
                 sc.create_lora_training_client(base_model=MODEL, rank=4).result()
             assert sc.create_lora_training_client(base_model=MODEL, rank=8).result().get_info().lora_rank == 8
+
+
+def test_the_rest_client_lists_a_tenants_runs_checkpoints_and_sessions_and_deletes_checkpoints(server):
+    data = sft_data()
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32, user_metadata={"recipe": "sft"}).result()
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        state_path = tc.save_state("after-one").result().path
+        sampler_path = tc.save_weights_for_sampler("for-sampling").result().path
+        rc = sc.create_rest_client()
+        run_id = state_path.split("/")[2]
+        runs = rc.list_training_runs().result()
+        run = runs.training_runs[0]  # newest first
+        assert runs.cursor.total_count == len(runs.training_runs) >= 1
+        assert run.training_run_id == run_id and run.base_model == MODEL and run.model_owner
+        assert run.last_checkpoint.tinker_path == state_path and run.user_metadata == {"recipe": "sft"}
+        assert run.last_sampler_checkpoint.tinker_path == sampler_path
+        assert rc.get_training_run(run_id).result() == run
+        assert rc.get_training_run_by_tinker_path(state_path).result().training_run_id == run_id
+        listed = rc.list_checkpoints(run_id).result().checkpoints
+        assert [(c.checkpoint_id, c.checkpoint_type) for c in listed] == [
+            ("weights/after-one", "training"), ("sampler_weights/for-sampling", "sampler")]
+        assert listed[0].size_bytes > 0 and not listed[0].public and listed[0].expires_at is None
+        user = rc.list_user_checkpoints().result()
+        assert [c.tinker_path for c in user.checkpoints[:2]] == [sampler_path, state_path]  # newest first
+        assert user.cursor.total_count == len(user.checkpoints)
+        session_id = run_id.split(":")[0]
+        assert rc.get_session(session_id).result().training_run_ids == [run_id]
+        assert session_id in rc.list_sessions().result().sessions
+        # Another tenant (another key) sees none of it
+        with service(server, "tml-someone-else") as other:
+            other_rc = other.create_rest_client()
+            assert other_rc.list_training_runs().result().training_runs == []
+            with pytest.raises(tinker.NotFoundError):
+                other_rc.get_training_run(run_id).result()
+            with pytest.raises(tinker.NotFoundError):
+                other_rc.delete_checkpoint_from_tinker_path(state_path).result()
+        with pytest.raises(tinker.BadRequestError):  # nothing is published (a 400: the SDK retries a 409)
+            rc.publish_checkpoint_from_tinker_path(state_path).result()
+        rc.delete_checkpoint_from_tinker_path(state_path).result()
+        rc.delete_checkpoint_from_tinker_path(sampler_path).result()
+        assert rc.list_checkpoints(run_id).result().checkpoints == []
+        with pytest.raises(tinker.NotFoundError):
+            tc.load_state(state_path).result()
+        with pytest.raises(tinker.NotFoundError):
+            rc.delete_checkpoint_from_tinker_path(state_path).result()

@@ -37,6 +37,7 @@ from arctic_rl_core.server.security import TINKER_PREFIX, confine
 from arctic_rl_core.tinker import wire
 from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
 from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
+from arctic_rl_core.tinker.rest import add_rest_routes, record_run
 from arctic_rl_core.tinker.tenants import JOB, Residency, tenant_of
 from arctic_rl_core.types import MAX_LEARNING_RATE, MAX_TOP_LOGPROBS, AdamSettings, LossSpec, SamplingParams, Sequence
 from arctic_rl_core.validation import parse
@@ -80,6 +81,7 @@ class Session:
     tenant: str
     seen: float
     """When it was last heard from."""
+    user_metadata: dict | None = None
 
 
 @dataclass
@@ -91,6 +93,7 @@ class SamplerWeights:
     adapter: str | None = None
     shape: AdapterShape | None = None
     """The adapter shape of the model that saved them."""
+    saved: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -228,6 +231,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             return handler
         return register
 
+    def run_folder(who: str, model_id: str) -> str:
+        return confine(checkpoint_root, os.path.join("tinker", who, model_id.replace(":", "_")))
+
     def checkpoint_dir(who: str, model_id: str, name: Any, kind: str = "weights") -> str:
         """A tenant's checkpoints (`weights`) and adapters for the sampler (`sampler_weights`) lie under its own
         folder: a path of another's names nothing there."""
@@ -252,7 +258,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     @app.post(f"{PREFIX}/create_session")
     async def create_session(request: Request):
         who = tenant(request)
-        await read_json(request)
+        body = await read_json(request)
         own = [s for s in sorted(state.sessions, key=lambda s: state.sessions[s].seen)
                if state.sessions[s].tenant == who]
         if len(own) >= SESSIONS_PER_TENANT:
@@ -264,7 +270,8 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         if len(state.sessions) >= MAX_SESSIONS:
             raise OverLimit("session", f"the server holds {MAX_SESSIONS} sessions")
         session_id = uuid.uuid4().hex
-        state.sessions[session_id] = Session(who, time.time())
+        metadata = body.get("user_metadata") if isinstance(body, dict) else None
+        state.sessions[session_id] = Session(who, time.time(), metadata if isinstance(metadata, dict) else None)
         return {"session_id": session_id, "type": "create_session"}
 
     @app.post(f"{PREFIX}/session_heartbeat")
@@ -395,6 +402,12 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                                  "(arctic-rl serve --tinker-tenants) and that many train now; a model is freed when "
                                  f"its session finishes, or {SESSION_TIMEOUT_S:.0f} s after its last heartbeat")
         state.models[model_id] = TinkerModel(model_id, session_id, who, shape)
+        rank = lora_rank(api, shape)
+        metadata = body.get("user_metadata")
+        record_run(run_folder(who, model_id), {
+            "training_run_id": model_id, "session_id": session_id, "base_model": model_name(api),
+            "is_lora": rank is not None, "lora_rank": rank, "created": time.time(),
+            "user_metadata": metadata if isinstance(metadata, dict) else None})
         return state.models[model_id]
 
     async def shaped(api, model: TinkerModel) -> None:
@@ -406,6 +419,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             await asyncio.wrap_future(job.ordered.submit(api.shape_adapter, model.shape))
         except Exception:
             del state.models[model.model_id]
+            shutil.rmtree(run_folder(model.tenant, model.model_id), ignore_errors=True)  # a run that never began
             raise
 
     def done_now(value: dict, who: str) -> dict:
@@ -797,6 +811,17 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         if not tokens:
             raise InvalidRequest("prompt", "holds no tokens")
         return tokens
+
+    def forget_sampler_path(path: str) -> None:
+        """On the event loop: what was saved under `path` is no longer sampled (its adapter, if any, is dropped once
+        its samples in flight end)."""
+        weights = state.sampler_paths.pop(path)
+        if weights.adapter is not None and weights.adapter in state.adapters:
+            _, folder = state.adapters.pop(weights.adapter)
+            retire(weights.adapter, folder)
+
+    add_rest_routes(app, state, PREFIX, tenant, lambda who: confine(checkpoint_root, os.path.join("tinker", who)),
+                    forget_sampler_path)
 
     # -- futures ------------------------------------------------------------------------------------------
 
