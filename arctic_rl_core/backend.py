@@ -468,6 +468,23 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock:
             self.engine.save_adapter(path)
 
+    def save_hf(self, path: str) -> None:
+        """The policy as a Hugging Face model folder: its full weights (LoRA merged) under the base model's names,
+        sharded safetensors, with the base model's config and tokenizer; `from_pretrained` loads it."""
+        from huggingface_hub import save_torch_state_dict
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        with self._train_lock:
+            weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.engine.named_full_weights()}
+        os.makedirs(path, exist_ok=True)
+        save_torch_state_dict(weights, path)
+        AutoConfig.from_pretrained(self.config.model_path).save_pretrained(path)
+        AutoTokenizer.from_pretrained(self.config.model_path).save_pretrained(path)
+        try:
+            GenerationConfig.from_pretrained(self.config.model_path).save_pretrained(path)
+        except OSError:  # the base model has none
+            pass
+
     def adapter_layout(self) -> AdapterLayout | None:
         """A LoRA job's adapter: its rank and the modules it adapts (None for a full-parameter job)."""
         if self._adapter_layout is None and self.config.engine.lora is not None:

@@ -293,8 +293,8 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
                 tc.optim_step(types.AdamParams(**params)).result()
         assert arctic.state_digest() == digest
         # A call this server cannot serve is refused in its turn: the calls numbered after it still run.
-        with pytest.raises(tinker.BadRequestError, match="save_weights_external"):
-            tc.save_weights_external("exported").result()
+        with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
+            tc.save_weights_external("exported", age_encryption_recipients=["age1xyz"]).result()
         assert arctic.state_digest() == digest
         # The SDK's own defaults (eps 1e-12, betas 0.9/0.95), as the Tinker quickstart sends them, are applied.
         assert tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["learning_rate"] == 1e-2
@@ -360,6 +360,19 @@ def test_the_server_token_is_the_sdks_api_key(tiny_model, tmp_path):
         with pytest.raises(tinker.AuthenticationError):
             with service(url, "tml-wrong") as sc:
                 sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        # Signed download URLs are the one thing fetched without the token: their own token is the capability
+        import httpx
+
+        with service(url, "tml-s3cret") as sc:
+            tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+            path = tc.save_weights_external("out").result().path
+            urls = sc.create_rest_client().get_external_weights_urls(path).result().urls
+        assert httpx.get(urls["config.json"]).status_code == 200
+        token = urls["config.json"].split("/signed/")[1].split("/")[0]
+        assert httpx.get(urls["config.json"].replace(token, "x" * len(token))).status_code == 404
+        assert httpx.get(urls["config.json"].replace("config.json", "../../../config.json")).status_code in (401, 404)
+        assert httpx.post(urls["config.json"], json={}).status_code == 401  # GETs only
+        assert httpx.get(f"{url}/api/v1/training_runs").status_code == 401
 
 
 def test_a_lora_client_is_refused_on_a_full_parameter_job_unless_the_server_allows_it(tiny_model, tmp_path):
@@ -451,3 +464,44 @@ def test_the_rest_client_lists_a_tenants_runs_checkpoints_and_sessions_and_delet
             tc.load_state(state_path).result()
         with pytest.raises(tinker.NotFoundError):
             rc.delete_checkpoint_from_tinker_path(state_path).result()
+
+
+def test_exported_weights_download_through_signed_urls_and_give_the_trainers_log_probs(server, tmp_path):
+    """save_weights_external then get_external_weights_urls, as `tinker checkpoint download` does: each file fetched
+    by a plain GET without the API key; the folder loads in transformers and scores as the trainer does."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    data = sft_data()
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        exported = tc.save_weights_external("exported").result().path
+        assert exported.endswith("/external_weights/exported")
+        trainer = [out["logprobs"].to_torch() for out in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
+        rc = sc.create_rest_client()
+        urls = rc.get_external_weights_urls(exported).result().urls
+        assert "config.json" in urls and any(name.endswith(".safetensors") for name in urls)
+        for name, url in urls.items():
+            response = httpx.get(url)  # no key
+            assert response.status_code == 200, (name, response.text)
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_bytes(response.content)
+        assert httpx.get(next(iter(urls.values())).replace("/signed/", "/signed/x")).status_code == 404
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32).eval()
+        for d, expected in zip(data, trainer):
+            tokens = torch.tensor([d.model_input.to_ints()])
+            targets = torch.tensor(d.loss_fn_inputs["target_tokens"].data)
+            with torch.no_grad():
+                scored = torch.log_softmax(model(tokens).logits[0].float(), -1).gather(1, targets[:, None])[:, 0]
+            torch.testing.assert_close(scored, expected.float(), rtol=1e-5, atol=1e-5)
+        listed = {c.checkpoint_id: c for c in rc.list_checkpoints(exported.split("/")[2]).result().checkpoints}
+        assert listed["external_weights/exported"].checkpoint_type == "external"
+        with pytest.raises(tinker.BadRequestError):  # a name already exported
+            tc.save_weights_external("exported").result()
+        rc.set_checkpoint_ttl_from_tinker_path(exported, 3600).result()
+        assert rc.list_checkpoints(exported.split("/")[2]).result().checkpoints[-1].expires_at is not None
+        rc.delete_checkpoint_from_tinker_path(exported).result()
+        with pytest.raises(tinker.NotFoundError):
+            rc.get_external_weights_urls(exported).result()

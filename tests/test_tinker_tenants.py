@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 
 import tinker  # noqa: E402  (the `tinker` extra, which make install installs)
 from tinker import types  # noqa: E402
@@ -402,3 +403,34 @@ def test_one_tenants_flood_of_requests_neither_blocks_nor_forgets_anothers():
             await table.retrieve(waiting[0][0], "bob")
 
     asyncio.run(run())
+
+
+def test_a_tenants_exported_adapter_downloads_and_loads_in_peft_with_the_trainers_log_probs(shared, tiny_model,
+                                                                                            tmp_path):
+    """A LoRA model's external weights are its PEFT adapter, in the shape it trained (bob's: rank 4): downloaded
+    through the signed URLs, on the base model in peft it scores as the trainer does; another tenant gets no URL."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with tinker.ServiceClient(base_url=shared, api_key=KEYS["bob"]) as service:
+        tc = service.create_lora_training_client(base_model=MODEL, **SHAPES["bob"]).result()
+        tc.forward_backward(data("bob"), "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+        path = tc.save_weights_external("bob-adapter").result().path
+        trainer = [out["logprobs"].to_torch() for out in tc.forward(data("bob"), "cross_entropy").result().loss_fn_outputs]
+        urls = service.create_rest_client().get_external_weights_urls(path).result().urls
+    with tinker.ServiceClient(base_url=shared, api_key=KEYS["alice"]) as service:
+        with pytest.raises(tinker.NotFoundError):
+            service.create_rest_client().get_external_weights_urls(path).result()
+    assert "adapter_config.json" in urls
+    for name, url in urls.items():
+        (tmp_path / name).write_bytes(httpx.get(url).raise_for_status().content)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32),
+                                      tmp_path).eval()
+    assert model.peft_config["default"].r == SHAPES["bob"]["rank"]
+    for d, expected in zip(data("bob"), trainer):
+        targets = torch.tensor(d.loss_fn_inputs["target_tokens"].data)
+        with torch.no_grad():
+            logits = model(torch.tensor([d.model_input.to_ints()])).logits[0].float()
+        scored = torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+        torch.testing.assert_close(scored, expected.float(), rtol=1e-5, atol=1e-5)

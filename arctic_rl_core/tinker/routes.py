@@ -34,10 +34,9 @@ from arctic_rl_core.models.lora_shape import FAMILIES, AdapterShape
 from arctic_rl_core.plugins.manager import load_plugins
 from arctic_rl_core.server.limits import OverLimit, RequestLimits
 from arctic_rl_core.server.security import TINKER_PREFIX, confine
-from arctic_rl_core.tinker import wire
+from arctic_rl_core.tinker import rest, wire
 from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
 from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
-from arctic_rl_core.tinker.rest import add_rest_routes, record_run
 from arctic_rl_core.tinker.tenants import JOB, Residency, tenant_of
 from arctic_rl_core.types import MAX_LEARNING_RATE, MAX_TOP_LOGPROBS, AdamSettings, LossSpec, SamplingParams, Sequence
 from arctic_rl_core.validation import parse
@@ -124,6 +123,8 @@ class TinkerState:
     retired: dict[str, str] = field(default_factory=dict)
     """Adapters no longer served to new samples, dropped once their samples in flight end: name -> folder."""
     futures: FutureTable = field(default_factory=FutureTable)
+    downloads: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Signed download tokens of external weights: token -> (folder, when it expires)."""
 
 
 def _translated(err: InvalidRequest) -> InvalidRequest:
@@ -404,7 +405,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         state.models[model_id] = TinkerModel(model_id, session_id, who, shape)
         rank = lora_rank(api, shape)
         metadata = body.get("user_metadata")
-        record_run(run_folder(who, model_id), {
+        rest.record_run(run_folder(who, model_id), {
             "training_run_id": model_id, "session_id": session_id, "base_model": model_name(api),
             "is_lora": rank is not None, "lora_rank": rank, "created": time.time(),
             "user_metadata": metadata if isinstance(metadata, dict) else None})
@@ -653,10 +654,36 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
 
     @training_call("save_weights_external")
     def save_weights_external(body: dict, who: str) -> dict:
-        """Refused, in its seq_id's turn: the SDK numbers the calls after it, which must not wait for it."""
-        owned_model(body.get("model_id"), who)
-        raise InvalidRequest("save_weights_external", "this server has no external-weights storage: save_state keeps "
-                             "a checkpoint on the server's disk, save_weights_for_sampler an adapter or weights to sample")
+        """The model's weights to take elsewhere: its PEFT adapter (a LoRA job) or the whole model in Hugging Face's
+        format, under `external_weights/<name>`, downloaded through `get_external_weights_urls`."""
+        api, model = api_of(), owned_model(body.get("model_id"), who)
+        if body.get("age_encryption_recipients"):
+            raise InvalidRequest("age_encryption_recipients", "this server does not encrypt what it exports")
+        name = body.get("path")
+        folder = checkpoint_dir(who, model.model_id, name, "external_weights")
+        if os.path.exists(folder):
+            raise InvalidRequest("path", f"external weights {name!r} exist; delete them or choose another name")
+        expires = rest.expiry(body.get("ttl_seconds"), "ttl_seconds")
+
+        def work() -> int:
+            staging = folder + ".partial"  # listed and served only once whole
+            shutil.rmtree(staging, ignore_errors=True)
+            if api.adapter_layout() is not None:
+                api.save_adapter(staging)
+            else:
+                api.save_hf(staging)
+            os.replace(staging, folder)
+            return rest.size(folder)
+
+        path = f"tinker://{model.model_id}/external_weights/{name}"
+
+        def settle(size: int) -> int:
+            if expires is not None:
+                rest.set_expiry(folder, expires)
+            return size
+
+        return ordered(model, body.get("seq_id"), lambda size: JSONResponse(
+            {"type": "save_weights_external", "path": path, "size_bytes": size}), work, settle)
 
     @training_call("load_weights")
     def load_weights(body: dict, who: str) -> dict:
@@ -820,8 +847,8 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             _, folder = state.adapters.pop(weights.adapter)
             retire(weights.adapter, folder)
 
-    add_rest_routes(app, state, PREFIX, tenant, lambda who: confine(checkpoint_root, os.path.join("tinker", who)),
-                    forget_sampler_path)
+    rest.add_rest_routes(app, state, PREFIX, tenant, read_json,
+                         lambda who: confine(checkpoint_root, os.path.join("tinker", who)), forget_sampler_path)
 
     # -- futures ------------------------------------------------------------------------------------------
 
