@@ -120,7 +120,9 @@ COMPLETIONS = {
 # Refused here, by name (a 400 naming the field), each for its reason, though `vllm serve` takes them.
 NOT_HERE = {
     "use_beam_search": "no beam search: a beam is not a sample of the policy", "length_penalty": "beam search's",
-    "logprob_token_ids": "not yet",
+    # vLLM 0.32 gathers them for the whole engine batch in place of the top-k log-probs (v1/sample/sampler.py):
+    # a request with them would change what concurrent requests (rollouts asking for top_logprobs) get back
+    "logprob_token_ids": "would replace the top-k log-probs of every request in its engine batch",
 }
 # Refused by both, under these servers' flags: (route, value).
 REFUSED_BY_BOTH = {
