@@ -108,5 +108,6 @@ class ReferenceModel:
 
     def describe(self) -> dict:
         return {"model_path": self.model_path, "weights_fingerprint": self.weights_fingerprint, "zorro": self.zorro_loaded,
-                "device": str(self.device), "offload": self.offload}
+                "device": str(self.device), "offload": self.offload,
+                "router_replay": getattr(self.model, "router_replay", None) is not None}
 

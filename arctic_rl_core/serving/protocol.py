@@ -356,6 +356,8 @@ class TokenGenerateRequest(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
     """As the chat and completions routes take them: no effect under this server's scheduling, with no connector."""
+    return_sample_support: bool = False
+    """SkyRL's (`/skyrl/v1/generate`): refused, as the sample support replay it serves."""
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         sp = self.sampling_params

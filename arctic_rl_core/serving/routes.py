@@ -78,11 +78,13 @@ class Sampled:
 
 
 def _routed_experts(c: Completion, start: int) -> dict:
-    """A completion's routing (R3) as prime-rl's inference server returns it on a choice, which its orchestrator
-    reads: `[tokens, layers, top_k]` from `start` (`routed_experts_prompt_start`) to the last forwarded token, raw
-    uint8 (uint16 past 256 experts) in base64. vLLM's own `.npy` string is not sent."""
+    """A completion's routing (R3) as prime-rl's and SkyRL's inference servers return it on a choice, which their
+    clients read: `[tokens, layers, top_k]` from `start` (`routed_experts_prompt_start`) to the last forwarded token,
+    raw in base64, in the narrowest type that holds the ids (uint8, int16, int32: SkyRL refuses any other), `data`
+    first (SkyRL's client finds it by scanning the compact JSON). vLLM's own `.npy` string is not sent."""
     routes = c.routed_experts.array()[start:]
-    compact = routes.astype(np.uint8 if routes.size == 0 or routes.max() < 256 else np.uint16)
+    top = int(routes.max()) if routes.size else 0
+    compact = routes.astype(np.uint8 if top < 2**8 else np.int16 if top < 2**15 else np.int32)
     return {"data": base64.b64encode(np.ascontiguousarray(compact).tobytes()).decode("ascii"),
             "shape": list(compact.shape), "start": start, "dtype": compact.dtype.name}
 
@@ -673,8 +675,12 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
     # -- vLLM's token-in, token-out route ----------------------------------------------------------
 
     @app.post("/inference/v1/generate")
+    @app.post("/skyrl/v1/generate")  # SkyRL's client's route where it wants routed experts: the same, routes packed
     async def generate_tokens(request: Request):
         req, api, model = await begin(request, TokenGenerateRequest)
+        if req.return_sample_support:
+            raise InvalidRequest("return_sample_support", "this server samples from the model's full distribution: no "
+                                 "sample support to return (SkyRL's enable_sample_support_replay stays off)")
         if req.output_mode == "text" and not req.sampling_params.detokenize:
             raise InvalidRequest("output_mode", "'text' needs sampling_params.detokenize true")
         sampling = req.sampling(max_tokens(api, req.sampling_params.max_tokens, [req.token_ids]))

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import httpx
 import pandas as pd
 
 from conftest import QUESTIONS
@@ -135,4 +136,29 @@ def test_ppo_with_gae_trains_skyrls_critic_on_the_jobs_critic(tiny_model, server
     assert after["critic"]["optimizer_steps"] - before["critic"]["optimizer_steps"] == STEPS * BATCH
     assert after["optimizer_steps"] - before["optimizer_steps"] == STEPS * BATCH // MINI
     assert client.values(probe).values != values_before  # the critic trained
+    assert_the_backend_trained_skyrls_loss(metrics)
+
+
+def test_router_replay_r3_replays_the_samplers_routing_in_every_update(tmp_path):
+    """SkyRL's R3 on a tiny Qwen3-MoE: SkyRL's own keys turn it on (its Megatron flag, with its generator asking for
+    the routing), its generator's requests go to the server's /skyrl/v1/generate and get the routing the sampler
+    recorded, packed as SkyRL's client decodes it, and every row of every update replays its recorded routing; the
+    loss the backend took gradients of is still SkyRL's."""
+    from compat_tests.main_server import make_tiny_model, serving
+
+    from conftest import LEARNING_RATE, OPTIMIZER
+
+    model = make_tiny_model(str(tmp_path / "tiny-qwen3-moe"), "--family", "qwen3_moe", "--max-positions", "1024")
+    job = {"model_path": model, "sampler": {"name": "transformers"}, "router_replay": "R3",
+           "engine": {"learning_rate": LEARNING_RATE, **OPTIMIZER}, "reference": {"enable": True}}
+    (tmp_path / "server").mkdir()
+    write_data(tmp_path)
+    with serving(job, tmp_path / "server", "--checkpoint-dir", str(tmp_path / "server" / "checkpoints")) as url:
+        metrics = run_documented(url, model, tmp_path, STEPS, "trainer.strategy=megatron",
+                                 "trainer.policy.megatron_config.moe_enable_routing_replay=true",
+                                 "generator.inference_engine.enable_return_routed_experts=true",
+                                 "generator.inference_engine.distributed_executor_backend=mp")
+        served = httpx.get(f"{url}/v1/status").json()["serving"]["requests"]["generate"]
+    assert served == STEPS * BATCH * N  # each rollout through /skyrl/v1/generate
+    assert metrics["policy/arctic_replayed_sequences"] == [float(MINI * N)] * STEPS  # every row of every update
     assert_the_backend_trained_skyrls_loss(metrics)

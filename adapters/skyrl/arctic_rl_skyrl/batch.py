@@ -4,6 +4,11 @@ SkyRL lays a batch out left-padded: row i is `sequences[i][attention_mask[i]]`, 
 `response_mask[i].sum()` tokens the response; response-level tensors (`loss_mask`,
 `advantages`, log-probs) are right-aligned in `[B, response_length]`, so a row's response
 values are its last r entries. The training API speaks response tokens only.
+
+With router replay (R3) the batch also carries each row's routing as SkyRL's generator recorded it:
+`rollout_expert_indices`, a packed tensor whose segment i holds a `[tokens, layers, top_k]` row per real token of
+row i, of which those `router_padding_mask` leaves unmarked (a prefix: vLLM never forwards the last sampled token)
+were recorded, the rest placeholders.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from arctic_rl_core.types import Sequence
+from arctic_rl_core.types import RoutedExperts, Sequence
 
 
 def group_ids(data, boundaries: list[tuple[int, int]] | None = None) -> list[str | None]:
@@ -35,14 +40,28 @@ def response_lengths(data) -> list[int]:
     return data["response_mask"].sum(dim=1).long().tolist()
 
 
+def routes(data) -> list[RoutedExperts]:
+    """Each row's recorded routing (R3), from its first real token to the last one recorded."""
+    if data.get("rollout_expert_indices") is None or data.get("router_padding_mask") is None:
+        raise ValueError("SkyRL's batch carries no rollout_expert_indices: its generator recorded no routing (set "
+                         "generator.inference_engine.enable_return_routed_experts=true)")
+    packed, unrecorded = data["rollout_expert_indices"], data["router_padding_mask"].bool()
+    attention = data["attention_mask"].bool()
+    return [RoutedExperts.of(packed[row][:int((attention[row] & ~unrecorded[row]).sum())].cpu().numpy())
+            for row in range(len(attention))]
+
+
 def sequences_from_batch(data, groups: list[str | None], behaviour_key: str | None = None,
-                         lengths: list[int] | None = None, critic: bool = False) -> list[Sequence]:
+                         lengths: list[int] | None = None, critic: bool = False,
+                         replay: bool = False) -> list[Sequence]:
     """One `Sequence` per row, with the advantages (already scaled by SkyRL's loss reduction), loss mask,
     reference log-probs (SkyRL's `base_action_log_probs`) and, when `behaviour_key` names one, the log-probs
     the PPO ratio is taken against; for the critic's update (`critic`), the returns and the values the batch was
-    scored with instead. `lengths`: the rows' response lengths, for a batch without its `response_mask`."""
+    scored with instead. `lengths`: the rows' response lengths, for a batch without its `response_mask`.
+    `replay`: each row's recorded routing too (`routes`)."""
     sequences, attention = data["sequences"], data["attention_mask"].bool()
     lengths = response_lengths(data) if lengths is None else lengths
+    recorded = routes(data) if replay else [None] * len(lengths)
     loss_mask = data.get("loss_mask")
     if critic:
         fields = {"returns": data.get("returns"), "old_values": data.get("values")}
@@ -56,7 +75,7 @@ def sequences_from_batch(data, groups: list[str | None], behaviour_key: str | No
         tokens = sequences[row][attention[row]].cpu().numpy()
         out.append(Sequence(
             prompt_ids=tokens[:-length], response_ids=tokens[-length:], group_id=groups[row],
-            loss_mask=_response(loss_mask, row, length),
+            loss_mask=_response(loss_mask, row, length), routed_experts=recorded[row],
             **{name: _response(values, row, length) for name, values in fields.items()},
         ))
     return out

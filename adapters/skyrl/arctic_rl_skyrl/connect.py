@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from arctic_rl_core import attach
 from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.client import ArcticRLClient
+from arctic_rl_skyrl import replay
 from arctic_rl_skyrl.losses import uses_critic, uses_reference
 from arctic_rl_skyrl.settings import PREFIX, ArcticSettings
 
@@ -56,7 +57,9 @@ def connect(cfg, settings: ArcticSettings) -> ArcticRLClient:
     job = {"model_path": model_path, "engine": {"learning_rate": optim.lr, **ours}}
     if uses_reference(cfg):
         ref_path = cfg.trainer.ref.model.path
-        job["reference"] = {"enable": True, "model_path": None if ref_path == model_path else ref_path}
+        job["reference"] = {"enable": True, "model_path": None if ref_path == model_path else ref_path,
+                            **({"router_replay": True} if replay.reference_replays(cfg) else {})}
+    job.update(replay.job_settings(cfg))
     if uses_critic(cfg):
         critic = cfg.trainer.critic
         job["critic"] = {"enable": True, "model_path": None if critic.model.path == model_path else critic.model.path,
@@ -64,6 +67,7 @@ def connect(cfg, settings: ArcticSettings) -> ArcticRLClient:
     status = attach.start_or_get_job(client, status, job)
     attach.check_model(model_path, AutoConfig.from_pretrained(model_path).to_dict(), status, KEYS)
     attach.check_optimizer(ours, status, OPTIMIZER_NAMES, KEYS)
+    replay.check_job(cfg, status)
     if uses_reference(cfg):
         attach.check_reference(cfg.trainer.ref.model.path, status, "trainer.ref.model.path")
     if uses_critic(cfg):

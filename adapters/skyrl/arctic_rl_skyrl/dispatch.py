@@ -28,6 +28,7 @@ from arctic_rl_core.attach import ArcticSetupError
 from arctic_rl_core.client import ArcticRLClient
 from arctic_rl_skyrl.batch import group_ids, response_lengths, right_aligned, sequences_from_batch
 from arctic_rl_skyrl.losses import behaviour_key, critic_loss_spec, loss_spec, uses_critic
+from arctic_rl_skyrl.replay import reference_replays, replays
 
 SCORED = {"policy": "trainer", "ref": "reference"}
 """SkyRL's models the backend scores log-probs with, and where: the policy's current weights, the reference model."""
@@ -67,6 +68,8 @@ class ArcticDispatch:
         self.trained = ("policy", "critic") if uses_critic(cfg) else ("policy",)
         self.num_training_steps = {"policy": num_training_steps, "critic": critic_training_steps}
         self.schedules = {model: self._schedule(model) for model in self.trained}
+        self.replaying = {"policy": replays(cfg), "ref": reference_replays(cfg), "critic": False}
+        """Per model, whether its passes replay each row's recorded routing (R3)."""
         self._rows = None
 
     def _schedule(self, model: str):
@@ -140,7 +143,7 @@ class ArcticDispatch:
             raise ArcticSetupError(f"loss_fn={loss_fn!r}: the Arctic RL dispatch serves SkyRL's PPO trainer, whose "
                                    "forward passes take no loss")
         lengths, groups = self._row_layout(data)
-        sequences = sequences_from_batch(data, groups, lengths=lengths)
+        sequences = sequences_from_batch(data, groups, lengths=lengths, replay=self.replaying[model])
         width = data.metadata["response_length"]
         if model == "critic":
             rows = right_aligned(self.client.values(sequences).values, width)
@@ -176,14 +179,15 @@ class ArcticDispatch:
         data, groups = chunk
         if model == "critic":
             return self._critic_forward_backward(data, groups)
-        sequences = sequences_from_batch(data, groups, self.behaviour_key)
+        sequences = sequences_from_batch(data, groups, self.behaviour_key, replay=self.replaying["policy"])
         result = self.client.fwd_bwd(sequences, self.loss, return_logprobs=True, with_entropy=True)
         metrics = self._skyrl_metrics(data, result.logprobs, result.entropy)
         # The backend's own value of the loss it took gradients of, and how it computed the mini-batch: groups
         # whole (each shared prompt once) is what `arctic_computed_tokens` below the rows' total length shows.
         metrics.update(arctic_loss=result.loss, arctic_groups=float(len(set(groups))),
                        arctic_computed_tokens=float(result.computed_tokens),
-                       arctic_row_tokens=float(sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)))
+                       arctic_row_tokens=float(sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)),
+                       arctic_replayed_sequences=float(sum(s.routed_experts is not None for s in sequences)))
         return WorkerOutput(loss_fn_outputs=[{"logprobs": lp} for lp in result.logprobs], metrics=metrics)
 
     def _per_micro_batch(self, rows: int, status) -> dict[str, list[float]]:

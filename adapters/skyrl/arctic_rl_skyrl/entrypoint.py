@@ -12,6 +12,7 @@ import sys
 
 from arctic_rl_skyrl.connect import check_inference, connect
 from arctic_rl_skyrl.losses import check_algorithm
+from arctic_rl_skyrl.replay import check_router_replay
 from arctic_rl_skyrl.settings import split_overrides
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = SkyRLTrainConfig.from_cli_overrides(overrides)
     validate_cfg(cfg)
     check_algorithm(cfg)
+    check_router_replay(cfg)
     check_inference(cfg, settings)
     client = connect(cfg, settings)
     initialize_ray(cfg)  # SkyRL's trainer and generator use Ray (metrics, registries) even with no GPU workers
