@@ -221,3 +221,39 @@ def test_the_reference_replays_only_where_the_job_asks(moe_model, replays):
             assert moved < 1e-5  # its own routing (verl replays the policy only); packed otherwise, so not bit for bit
     finally:
         backend.close()
+
+
+def test_pipelined_rollouts_a_version_stale_replay_their_own_routing_on_the_newer_weights(moe_model):
+    """Async pipelining (max_staleness 1) with R3: the batch trained after a step was sampled on the weights before
+    it, and carries that sampler's routing; the trainer, on the newer weights, routes each of its tokens as the
+    sampler did (the decoupled loss's behaviour terms then weigh the same routing), and trains on it."""
+    from arctic_rl_core.pipeline import RolloutPipeline
+
+    backend = InProcessBackend({"model_path": moe_model, "engine": {"learning_rate": 5e-2},
+                                "sampler": {"name": "transformers"}, "router_replay": "R3"})
+    pipeline = RolloutPipeline(backend, lambda step: [PROMPT], {"n": 4, "max_tokens": 6, "seed": 3, "ignore_eos": True},
+                               max_staleness=1)
+    stale, flips = [], []
+    for _ in range(3):
+        batch = pipeline.next_batch()
+        seqs = [Sequence(prompt_ids=PROMPT, response_ids=c.token_ids, group_id=0, advantages=[1.0 - i % 2 * 2] *
+                         len(c.token_ids), **behaviour(c)) for i, c in enumerate(batch.completions)]
+        if batch.staleness:
+            taken = backend.log_probs(seqs).routed_experts
+            for t, c in zip(taken, batch.completions):
+                assert np.array_equal(t.array()[: c.routed_experts.tokens], c.routed_experts.array())
+            # the newer weights would route some of those tokens elsewhere: what the replay keeps from happening
+            native = backend.log_probs([s.model_copy(update={"routed_experts": None}) for s in seqs]).routed_experts
+            flips.append(sum(int((n.array()[: c.routed_experts.tokens] != c.routed_experts.array()).any(-1).sum())
+                             for n, c in zip(native, batch.completions)))
+            stale.append(batch.staleness)
+        result = backend.fwd_bwd(seqs, {"name": "grpo", "config": {"use_decoupled_loss": True,
+                                                                   "prox_logp_method": "loglinear"}})
+        assert np.isfinite(result.loss)
+        backend.step()
+        pipeline.wait_for_oldest()
+        backend.sync_weights()
+    pipeline.close()
+    backend.close()
+    assert stale == [1, 1]  # the second and third batches were sampled a version before the trainer's
+    assert sum(flips) > 0, flips
