@@ -505,3 +505,23 @@ def test_exported_weights_download_through_signed_urls_and_give_the_trainers_log
         rc.delete_checkpoint_from_tinker_path(exported).result()
         with pytest.raises(tinker.NotFoundError):
             rc.get_external_weights_urls(exported).result()
+
+
+def test_base_model_sampling_is_refused_when_made_once_the_sampler_holds_trained_weights(tiny_model, tmp_path):
+    """One model training the job's policy: before any save for sampling the sampler holds the base weights, and a
+    base-model sampling client samples them; after one, the server refuses such a client's sampling session as it
+    is made, saying why (before, its first sample failed as if its weights had been replaced)."""
+    config = BackendConfig.model_validate({"model_path": tiny_model, "engine": ENGINE, "sampler": LIGHT_SAMPLER})
+    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, tinker_full_parameter=True,
+                              checkpoint_dir=str(tmp_path))
+    prompt = types.ModelInput.from_ints([11, 12, 13])
+    params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=0)
+    with ServerThread(settings, config) as url, service(url) as sc:
+        base = sc.create_sampling_client(base_model=MODEL)
+        assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) == 3
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
+        tc.forward_backward(sft_data(), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        tc.save_weights_for_sampler("trained").result()
+        with pytest.raises(tinker.BadRequestError, match="base_model.*trained weights"):
+            sc.create_sampling_client(base_model=MODEL).sample(prompt, 1, params).result()

@@ -730,6 +730,11 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         else:
             if base is not None and base != model_name(api):
                 raise InvalidRequest("base_model", f"this server samples {model_name(api)!r}, not {base!r}")
+            if api.weight_version != 0:  # refused now, not at its first sample
+                raise InvalidRequest("base_model", f"the sampler holds trained weights (version {api.weight_version}) "
+                                     "in place of the base model's: it samples the base model while no model's "
+                                     "weights were saved for sampling, or, with models time-sharing a LoRA job "
+                                     "(--tinker-tenants N) whose sampler serves adapters, at any time")
             weights = SamplerWeights(who, 0)  # the base model: the job's initial weights
         return {"type": "create_sampling_session", "sampling_session_id": new_sampler(session_id, weights, path)}
 
