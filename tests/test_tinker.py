@@ -63,6 +63,14 @@ def sft_data() -> list[types.Datum]:
     return [datum(r, weights=[0.0] * 2 + [1.0] * (len(r) - 3)) for r in rows]
 
 
+def trained_one_step(sc: "tinker.ServiceClient", data: list[types.Datum], **create) -> "tinker.TrainingClient":
+    """A new model (`create`: more of its settings), one supervised step on `data` in."""
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=32, **create).result()
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+    return tc
+
+
 def as_sequence(d: types.Datum) -> Sequence:
     tokens = d.model_input.to_ints()
     return Sequence(prompt_ids=tokens[:1], response_ids=tokens[1:] + [int(d.loss_fn_inputs["target_tokens"].data[-1])])
@@ -315,9 +323,7 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
 def test_state_saved_and_loaded_through_tinker_paths(server, arctic):
     data = sft_data()
     with service(server) as sc:
-        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        tc = trained_one_step(sc, data)
         saved = tc.save_state("after-one").result().path
         digest = arctic.state_digest()
         loss_saved = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
@@ -422,9 +428,7 @@ def test_a_lora_job_trains_adapters_of_the_rank_asked(tiny_model, tmp_path):
 def test_the_rest_client_lists_a_tenants_runs_checkpoints_and_sessions_and_deletes_checkpoints(server):
     data = sft_data()
     with service(server) as sc:
-        tc = sc.create_lora_training_client(base_model=MODEL, rank=32, user_metadata={"recipe": "sft"}).result()
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        tc = trained_one_step(sc, data, user_metadata={"recipe": "sft"})
         state_path = tc.save_state("after-one").result().path
         sampler_path = tc.save_weights_for_sampler("for-sampling").result().path
         rc = sc.create_rest_client()
@@ -474,9 +478,7 @@ def test_exported_weights_download_through_signed_urls_and_give_the_trainers_log
 
     data = sft_data()
     with service(server) as sc:
-        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
-        tc.forward_backward(data, "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        tc = trained_one_step(sc, data)
         exported = tc.save_weights_external("exported").result().path
         assert exported.endswith("/external_weights/exported")
         trainer = [out["logprobs"].to_torch() for out in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
@@ -519,9 +521,7 @@ def test_base_model_sampling_is_refused_when_made_once_the_sampler_holds_trained
     with ServerThread(settings, config) as url, service(url) as sc:
         base = sc.create_sampling_client(base_model=MODEL)
         assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) == 3
-        tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
-        tc.forward_backward(sft_data(), "cross_entropy").result()
-        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        tc = trained_one_step(sc, sft_data())
         tc.save_weights_for_sampler("trained").result()
         with pytest.raises(tinker.BadRequestError, match="base_model.*trained weights"):
             sc.create_sampling_client(base_model=MODEL).sample(prompt, 1, params).result()
