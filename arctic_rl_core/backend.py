@@ -468,16 +468,42 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock:
             self.engine.save_adapter(path)
 
-    def save_hf(self, path: str) -> None:
-        """The policy as a Hugging Face model folder: its full weights (LoRA merged) under the base model's names,
-        sharded safetensors, with the base model's config and tokenizer; `from_pretrained` loads it."""
+    def save_full_weights(self, path: str) -> None:
+        """The policy's full weights (LoRA merged), named as a sync names them, as sharded safetensors in `path`:
+        what `save_hf` writes and `load_sampler_weights` reads."""
         from huggingface_hub import save_torch_state_dict
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         with self._train_lock:
             weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.engine.named_full_weights()}
         os.makedirs(path, exist_ok=True)
         save_torch_state_dict(weights, path)
+
+    def load_sampler_weights(self, path: str) -> int:
+        """The sampler takes the weights `save_full_weights` wrote to `path` (not the trainer's), as a new weight
+        version, which it returns; generate calls in flight are waited for, not crossed."""
+        from safetensors import safe_open
+
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise InvalidRequest("path", f"{path!r} holds no safetensors weights")
+
+        def weights():
+            for name in files:
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    for key in f.keys():
+                        yield key, f.get_tensor(key)
+
+        with self._sampler_lock:
+            self.sampler.load_weights(weights(), self._weight_version + 1)
+            self._weight_version += 1
+        return self._weight_version
+
+    def save_hf(self, path: str) -> None:
+        """The policy as a Hugging Face model folder: its full weights (LoRA merged) under the base model's names,
+        sharded safetensors, with the base model's config and tokenizer; `from_pretrained` loads it."""
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        self.save_full_weights(path)
         AutoConfig.from_pretrained(self.config.model_path).save_pretrained(path)
         AutoTokenizer.from_pretrained(self.config.model_path).save_pretrained(path)
         try:

@@ -102,9 +102,9 @@ def build_parser(plugins: PluginManager | None = None) -> argparse.ArgumentParse
     p.add_argument("--tinker-full-parameter", action="store_true",
                    help="the Tinker routes train all parameters of a job without LoRA for clients that ask for LoRA "
                         "(the Tinker SDK can ask for nothing else); without it they are refused")
-    p.add_argument("--tinker-tenants", type=int, default=1, metavar="N",
-                   help="Tinker models that train at once, time-sharing the engine, each from the job's policy "
-                        "(default 1: one at a time, training the job's policy itself)")
+    p.add_argument("--tinker-tenants", type=int, default=8, metavar="N",
+                   help="Tinker models that train at once, time-sharing the engine, each from the base model "
+                        "(default 8)")
     p.add_argument("--tinker-keys", metavar="FILE",
                    help="a JSON object of Tinker tenant name -> API key: only these keys are taken on the Tinker "
                         "routes, and each tenant sees only its own models (default: any key, each its own tenant)")

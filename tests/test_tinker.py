@@ -71,6 +71,16 @@ def trained_one_step(sc: "tinker.ServiceClient", data: list[types.Datum], **crea
     return tc
 
 
+def model_digest(url: str, tc: "tinker.TrainingClient", key: str = "tml-local") -> str:
+    """The digest of a Tinker model's weights and optimizer state (the server's `arctic/state_digest`)."""
+    import httpx
+
+    response = httpx.post(f"{url}/api/v1/arctic/state_digest", json={"model_id": tc.model_id},
+                          headers={"X-API-Key": key}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["digest"]
+
+
 def as_sequence(d: types.Datum) -> Sequence:
     tokens = d.model_input.to_ints()
     return Sequence(prompt_ids=tokens[:1], response_ids=tokens[1:] + [int(d.loss_fn_inputs["target_tokens"].data[-1])])
@@ -94,6 +104,43 @@ def test_supervised_loop_trains_and_returns_the_models_own_log_probs(server, arc
         assert losses[-1] < 0.8 * losses[0], losses
 
 
+def test_the_quickstarts_flow_trains_with_the_sdks_default_adam_params(server):
+    """The flow of Tinker's supervised quickstart, as a user copies it with only the base URL changed: the SDK's
+    tokenizer, prompt tokens weighted 0 and completion tokens 1, forward_backward and optim_step submitted before
+    either is awaited, `AdamParams(learning_rate=1e-4)` with the SDK's defaults for the rest, the loss per token
+    read from the returned log-probs; then a sampling client of the trained weights."""
+    pairs = [("Reverse: abc\nAnswer:", " cba"), ("Reverse: hello\nAnswer:", " olleh"),
+             ("Reverse: tinker\nAnswer:", " reknit"), ("Reverse: model\nAnswer:", " ledom")]
+    with service(server) as sc:
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=32)
+        tokenizer = tc.get_tokenizer()
+
+        def example(prompt: str, completion: str) -> types.Datum:
+            prompt_tokens = tokenizer.encode(prompt, add_special_tokens=True)
+            completion_tokens = tokenizer.encode(completion + "\n", add_special_tokens=False)
+            tokens = prompt_tokens + completion_tokens
+            weights = [0.0] * len(prompt_tokens) + [1.0] * len(completion_tokens)
+            return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
+
+        data = [example(*pair) for pair in pairs]
+        losses = []
+        for _ in range(6):
+            fwdbwd = tc.forward_backward(data, "cross_entropy")
+            optim = tc.optim_step(types.AdamParams(learning_rate=1e-4))
+            result, _ = fwdbwd.result(), optim.result()
+            logprobs = np.concatenate([out["logprobs"].tolist() for out in result.loss_fn_outputs])
+            weights = np.concatenate([d.loss_fn_inputs["weights"].tolist() for d in data])
+            losses.append(-np.dot(logprobs, weights) / weights.sum())
+        assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+        sampler = tc.save_weights_and_get_sampling_client(name="reverse").result()
+        prompt = types.ModelInput.from_ints(tokenizer.encode("Reverse: abc\nAnswer:"))
+        result = sampler.sample(prompt=prompt, num_samples=2,
+                                sampling_params=types.SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"])).result()
+        assert len(result.sequences) == 2 and result.sequences[0].tokens == result.sequences[1].tokens
+        assert isinstance(tokenizer.decode(result.sequences[0].tokens), str)
+
+
 def test_forward_reports_the_loss_forward_backward_differentiates(server, arctic):
     data = sft_data()
     rl = [datum(d.model_input.to_ints() + [int(d.loss_fn_inputs["target_tokens"].data[-1])],
@@ -106,13 +153,15 @@ def test_forward_reports_the_loss_forward_backward_differentiates(server, arctic
              ("dro", rl, {"beta": 0.05}), ("gspo", masked, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1})]
     with service(server) as sc:
         tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
-        digest = arctic.state_digest()
+        digest = model_digest(server, tc)
         for name, batch, config in cases:
             forward = tc.forward(batch, name, config).result().metrics["loss:sum"]
             backward = tc.forward_backward(batch, name, config).result().metrics["loss:sum"]
             assert forward == pytest.approx(backward, rel=1e-5, abs=1e-6), name
-    # Finishing the session dropped the gradients it never stepped: the weights and optimizer are as they were.
-    assert arctic.state_digest() == digest
+        # Gradients accumulate; the weights and optimizer are as they were until a step.
+        assert model_digest(server, tc) == digest
+        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
+        assert model_digest(server, tc) != digest
 
 
 def documented(name: str, logp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict) -> torch.Tensor:
@@ -229,11 +278,20 @@ def test_gspo_is_its_documented_definition():
                                                   "advantages": np.zeros(9, np.float32)}])
 
 
-def test_sampling_follows_the_saved_weights_and_refuses_replaced_ones(server, arctic):
+def test_sampling_follows_the_saved_weights_and_keeps_older_snapshots_and_the_base(server, arctic):
+    """A full-parameter job's sampler holds one set of weights: each save is a snapshot on disk, loaded when
+    sampled, so the base model and older snapshots sample their own weights after newer saves (as on Tinker)."""
+    prompt = [11, 12, 13, 14]
+    greedy_params = types.SamplingParams(max_tokens=5, temperature=0.0)
+
+    def greedy_of(client) -> tuple[list[int], list[float]]:
+        sequence = client.sample(types.ModelInput.from_ints(prompt), 1, greedy_params).result().sequences[0]
+        return list(sequence.tokens), list(sequence.logprobs)
+
     with service(server) as sc:
+        base_before = greedy_of(sc.create_sampling_client(base_model=MODEL))
         tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
         sampler = tc.save_weights_and_get_sampling_client().result()
-        prompt = [11, 12, 13, 14]
         result = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4,
                                 sampling_params=types.SamplingParams(max_tokens=6, temperature=1.0)).result()
         assert len(result.sequences) == 4
@@ -258,21 +316,44 @@ def test_sampling_follows_the_saved_weights_and_refuses_replaced_ones(server, ar
         for rows in (greedy.topk_logprobs, scored.topk_prompt_logprobs[len(prompt):]):
             for row, token, logprob in zip(rows, greedy.tokens, greedy.logprobs):
                 assert row[0][0] == token and abs(row[0][1] - logprob) < 1e-4 and row[1][1] <= row[0][1]
-        tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
-        fresh = tc.save_weights_and_get_sampling_client().result()
-        # The first sampler's weights were replaced: refused by name, never sampled from the new ones.
-        with pytest.raises(tinker.RequestFailedError, match="sampling_session_id: its weights"):
-            sampler.sample(types.ModelInput.from_ints(prompt), num_samples=1,
-                           sampling_params=types.SamplingParams(max_tokens=2)).result()
-        assert len(fresh.sample(types.ModelInput.from_ints(prompt), num_samples=2,
-                                sampling_params=types.SamplingParams(max_tokens=2)).result().sequences) == 2
+        first = (list(greedy.tokens), list(greedy.logprobs))
+        newer = []
+        for _ in range(2):  # two steps, each saved for the sampler
+            tc.forward_backward(data, "importance_sampling").result()
+            tc.optim_step(types.AdamParams(learning_rate=5e-2, **ADAM)).result()
+            newer.append(tc.save_weights_and_get_sampling_client().result())
+        scored_row = datum(prompt + first[0], weights=[1.0] * (len(prompt) + len(first[0]) - 1))
+        trained = tc.forward([scored_row], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+        # Samples of three snapshots interleaved: each its own weights, the sampler loading each in turn.
+        for _ in range(2):
+            old_tokens, old_logprobs = greedy_of(sampler)
+            assert old_tokens == first[0] and np.allclose(old_logprobs, first[1], atol=1e-5)
+            newest = newer[-1].compute_logprobs(types.ModelInput.from_ints(prompt + first[0])).result()
+            assert np.allclose(newest[len(prompt):], trained.to_numpy()[len(prompt) - 1:], atol=1e-4)
+            assert not np.allclose(newest[len(prompt):], first[1], atol=1e-3)  # the newer weights differ
+            base_tokens, base_logprobs = greedy_of(sc.create_sampling_client(base_model=MODEL))
+            assert base_tokens == base_before[0] and np.allclose(base_logprobs, base_before[1], atol=1e-5)
+        # ... and sent at once: each still its own, whatever the order the sampler takes them in.
+        base = sc.create_sampling_client(base_model=MODEL)
+        clients = [sampler, newer[-1], base, sampler, newer[0], base, newer[-1]]
+        futures = [c.sample(types.ModelInput.from_ints(prompt), 1, greedy_params) for c in clients]
+        results = [list(f.result().sequences[0].tokens) for f in futures]
+        assert results[0] == results[3] == first[0] and results[2] == results[5] == base_before[0]
+        assert results[1] == results[6] == greedy_of(newer[-1])[0]
+        # Each model keeps its newest 4 saves for the sampler: the fifth save evicts the first, refused by name.
+        tc.save_weights_for_sampler("named").result()
+        greedy_of(newer[0])
+        tc.save_weights_and_get_sampling_client().result()
+        with pytest.raises(tinker.BadRequestError, match="sampling_session_id.*its weights are no longer kept"):
+            greedy_of(sampler)
+        greedy_of(newer[0])
 
 
 def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
     data = sft_data()
     with service(server) as sc:
         tc = sc.create_lora_training_client(base_model=MODEL, rank=32).result()
-        digest = arctic.state_digest()
+        digest = model_digest(server, tc)
         with pytest.raises(tinker.BadRequestError, match="loss_fn.*'stable_reinforce' is not supported"):
             tc.forward_backward(data, "stable_reinforce").result()
         with pytest.raises(tinker.BadRequestError, match="loss_fn_config.clip_low_threshold.*is required by gspo"):
@@ -285,9 +366,9 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
             tc.forward_backward(data[:1], "ppo").result()
         with pytest.raises(tinker.BadRequestError, match="loss_fn_config.clip_low_threshold"):
             tc.forward_backward(data[:1], "ppo", {"clip_low_threshold": 1.5}).result()
-        assert arctic.state_digest() == digest
+        assert model_digest(server, tc) == digest
         tc.forward_backward(data, "cross_entropy").result()
-        digest = arctic.state_digest()
+        digest = model_digest(server, tc)
         # NaN and infinities reach the server as null (the SDK's JSON): refused, never a step at the last rate.
         for field, params in (("learning_rate", dict(learning_rate=float("nan"))),
                               ("learning_rate", dict(learning_rate=float("inf"))),
@@ -299,20 +380,24 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
                               ("grad_clip_norm", dict(learning_rate=1e-2, grad_clip_norm=float("nan")))):
             with pytest.raises(tinker.BadRequestError, match=f"adam_params.{field}"):
                 tc.optim_step(types.AdamParams(**params)).result()
-        assert arctic.state_digest() == digest
+        assert model_digest(server, tc) == digest
         # A call this server cannot serve is refused in its turn: the calls numbered after it still run.
         with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
             tc.save_weights_external("exported", age_encryption_recipients=["age1xyz"]).result()
-        assert arctic.state_digest() == digest
+        assert model_digest(server, tc) == digest
         # The SDK's own defaults (eps 1e-12, betas 0.9/0.95), as the Tinker quickstart sends them, are applied.
         assert tc.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["learning_rate"] == 1e-2
-        assert arctic.state_digest() != digest
+        assert model_digest(server, tc) != digest
         # The refused calls took their seq_id turns: the next call runs (it waited for none of them).
         assert tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0
-        # A second tenant cannot take the model while this one trains it.
+        # Another model, made while this one trains, starts from the base model: the job's policy, which no Tinker
+        # model's training touches.
+        base_loss = -sum(np.dot(row, d.loss_fn_inputs["weights"].tolist())
+                         for row, d in zip(arctic.log_probs([as_sequence(d) for d in data]).logprobs, data))
         with service(server) as other:
-            with pytest.raises(tinker.BadRequestError, match="that many train now"):
-                other.create_lora_training_client(base_model=MODEL, rank=32).result()
+            fresh = other.create_lora_training_client(base_model=MODEL, rank=32).result()
+            assert fresh.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(base_loss, rel=1e-5)
+            assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] != pytest.approx(base_loss, rel=1e-3)
     with service(server) as sc:
         with pytest.raises(tinker.BadRequestError, match="base_model"):
             sc.create_lora_training_client(base_model="other/model", rank=32).result()
@@ -320,23 +405,23 @@ def test_bad_calls_are_refused_by_field_and_change_nothing(server, arctic):
         tc.forward_backward(data, "cross_entropy").result()
 
 
-def test_state_saved_and_loaded_through_tinker_paths(server, arctic):
+def test_state_saved_and_loaded_through_tinker_paths(server):
     data = sft_data()
     with service(server) as sc:
         tc = trained_one_step(sc, data)
         saved = tc.save_state("after-one").result().path
-        digest = arctic.state_digest()
+        digest = model_digest(server, tc)
         loss_saved = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
         assert saved.startswith("tinker://") and saved.endswith("/weights/after-one")
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
-        assert arctic.state_digest() != digest
+        assert model_digest(server, tc) != digest
         # load_state: the saved weights, with a fresh optimizer (its moments are gone: another digest)
         tc.load_state(saved).result()
         assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == loss_saved
-        assert arctic.state_digest() != digest
+        assert model_digest(server, tc) != digest
         tc.load_state_with_optimizer(saved).result()
-        assert arctic.state_digest() == digest
+        assert model_digest(server, tc) == digest
         with pytest.raises(tinker.BadRequestError, match="path"):
             tc.save_state("../escape").result()
         with pytest.raises(tinker.BadRequestError, match="path"):
@@ -344,14 +429,14 @@ def test_state_saved_and_loaded_through_tinker_paths(server, arctic):
     # A new session resumes from it (the cookbook's resume path).
     with service(server) as sc:
         tc = sc.create_training_client_from_state_with_optimizer(saved).result()
-        assert arctic.state_digest() == digest
+        assert model_digest(server, tc) == digest
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
     # ... or starts a new run from its weights (the cookbook's load_checkpoint_path: RL from an SFT checkpoint)
     with service(server) as sc:
         tc = sc.create_training_client_from_state(saved).result()
         assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == loss_saved
-        assert arctic.state_digest() != digest
+        assert model_digest(server, tc) != digest
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(types.AdamParams(learning_rate=1e-2, **ADAM)).result()
 
@@ -403,8 +488,8 @@ def test_calls_start_in_seq_id_order_whatever_order_they_arrive_in():
 
 
 def test_a_lora_job_trains_adapters_of_the_rank_asked(tiny_model, tmp_path):
-    """One model at a time trains the job's adapter itself: at the rank asked (up to the job's) while the adapter
-    is untrained; once it has trained, only at the job's own."""
+    """A model trains the job's adapter at the rank it asks (up to the job's); the next model starts from the base
+    model again, at its own rank."""
     config = BackendConfig.model_validate({"model_path": tiny_model, "engine": {**ENGINE, "lora": {"r": 8}},
                                            "sampler": LIGHT_SAMPLER})
     with ServerThread(ServerSettings(port=free_loopback_port(), served_model_name=MODEL,
@@ -419,10 +504,13 @@ def test_a_lora_job_trains_adapters_of_the_rank_asked(tiny_model, tmp_path):
                 losses.append(tc.forward_backward(sft_data(), "cross_entropy").result().metrics["loss:sum"])
                 tc.optim_step(types.AdamParams(learning_rate=5e-2, **ADAM)).result()
             assert losses[-1] < losses[0], losses
+            trained = losses[-1]
+        # A new model after a trained one starts from the base model, at any rank it asks for.
         with service(url) as sc:
-            with pytest.raises(tinker.BadRequestError, match="lora_config.*policy has trained.*--tinker-tenants"):
-                sc.create_lora_training_client(base_model=MODEL, rank=4).result()
-            assert sc.create_lora_training_client(base_model=MODEL, rank=8).result().get_info().lora_rank == 8
+            tc = sc.create_lora_training_client(base_model=MODEL, rank=2).result()
+            assert tc.get_info().lora_rank == 2
+            loss = tc.forward(sft_data(), "cross_entropy").result().metrics["loss:sum"]
+            assert loss == pytest.approx(losses[0], rel=1e-6) and loss != pytest.approx(trained, rel=1e-3)
 
 
 def test_the_rest_client_lists_a_tenants_runs_checkpoints_and_sessions_and_deletes_checkpoints(server):
@@ -509,19 +597,24 @@ def test_exported_weights_download_through_signed_urls_and_give_the_trainers_log
             rc.get_external_weights_urls(exported).result()
 
 
-def test_base_model_sampling_is_refused_when_made_once_the_sampler_holds_trained_weights(tiny_model, tmp_path):
-    """One model training the job's policy: before any save for sampling the sampler holds the base weights, and a
-    base-model sampling client samples them; after one, the server refuses such a client's sampling session as it
-    is made, saying why (before, its first sample failed as if its weights had been replaced)."""
-    config = BackendConfig.model_validate({"model_path": tiny_model, "engine": ENGINE, "sampler": LIGHT_SAMPLER})
-    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, tinker_full_parameter=True,
-                              checkpoint_dir=str(tmp_path))
+def test_a_job_that_trained_before_its_first_tinker_model_keeps_no_base(tiny_model, tmp_path):
+    """Tinker models start from the job's policy as the first found it, and sample the base while the sampler holds
+    it. A job whose own policy trained and synced before then kept no base weights: a base-model sampling client is
+    refused as it is made, saying why, and so is a LoRA shape other than the job's adapter."""
+    config = BackendConfig.model_validate({"model_path": tiny_model, "engine": {**ENGINE, "lora": {"r": 8}},
+                                           "sampler": LIGHT_SAMPLER})
+    settings = ServerSettings(port=free_loopback_port(), served_model_name=MODEL, checkpoint_dir=str(tmp_path))
     prompt = types.ModelInput.from_ints([11, 12, 13])
     params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=0)
     with ServerThread(settings, config) as url, service(url) as sc:
-        base = sc.create_sampling_client(base_model=MODEL)
-        assert len(base.sample(prompt, 1, params).result().sequences[0].tokens) == 3
-        tc = trained_one_step(sc, sft_data())
-        tc.save_weights_for_sampler("trained").result()
-        with pytest.raises(tinker.BadRequestError, match="base_model.*trained weights"):
+        arctic = ArcticRLClient(url, retries=0)
+        arctic.fwd_bwd([as_sequence(d) for d in sft_data()], "sft")
+        arctic.step()
+        arctic.sync_weights()
+        with pytest.raises(tinker.BadRequestError, match="base_model.*trained or synced before the first"):
             sc.create_sampling_client(base_model=MODEL).sample(prompt, 1, params).result()
+        with pytest.raises(tinker.BadRequestError, match="lora_config.*trained before its first Tinker model"):
+            sc.create_lora_training_client(base_model=MODEL, rank=4).result()
+        tc = sc.create_lora_training_client(base_model=MODEL, rank=8).result()
+        assert len(tc.save_weights_and_get_sampling_client().result().sample(prompt, 1, params).result()
+                   .sequences[0].tokens) == 3

@@ -306,14 +306,14 @@ def test_a_checkpoint_keeps_its_adapters_shape_and_a_shape_the_job_cannot_train_
 
 
 def test_a_models_oldest_adapters_stop_being_served_and_say_so(shared):
-    from arctic_rl_core.tinker.routes import ADAPTERS_PER_MODEL
+    from arctic_rl_core.tinker.routes import KEPT_PER_MODEL
 
     prompt = types.ModelInput.from_ints([11, 12, 13])
     params = types.SamplingParams(max_tokens=2, temperature=1.0)
     with tinker.ServiceClient(base_url=shared, api_key=KEYS["carol"]) as service:
         tc = service.create_lora_training_client(base_model=MODEL, rank=RANK).result()
-        samplers = [tc.save_weights_and_get_sampling_client().result() for _ in range(ADAPTERS_PER_MODEL + 1)]
-        with pytest.raises(tinker.BadRequestError, match="sampling_session_id.*no longer served"):
+        samplers = [tc.save_weights_and_get_sampling_client().result() for _ in range(KEPT_PER_MODEL + 1)]
+        with pytest.raises(tinker.BadRequestError, match="sampling_session_id.*no longer kept"):
             samplers[0].sample(prompt, 1, params).result()
         for sampler in samplers[1:]:
             assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) == 2

@@ -64,6 +64,18 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
 
 
 @pytest.mark.scenario
+@pytest.mark.parametrize("placement", ["in_process", "subprocess"])
+def test_full_weights_saved_to_disk_load_back_into_the_sampler(tiny_model, placement):
+    """Tinker's sampler snapshots on vLLM: the base model's and a trained model's weights, written to disk, load
+    back after other weights and sample and score as they did (greedy tokens equal, log-probs within 1e-5)."""
+    result = run_scenario("snapshots", tiny_model, placement)
+    assert result["tokens_differ"]
+    assert result["base_tokens"] and result["trained_tokens"]
+    assert result["base_err"] <= 1e-5 and result["trained_err"] <= 1e-5
+    assert result["versions"] == [2, 3] and result["sampled_versions"] == [2, 3]
+
+
+@pytest.mark.scenario
 def test_generate_does_not_wait_for_a_running_fwd_bwd(tiny_model):
     result = run_scenario("concurrent", tiny_model)
     assert result["generated"] == 4 and result["training_alive"] and result["training_done"]

@@ -960,6 +960,44 @@ def adapters(model_dir):
     return result
 
 
+def snapshots(model_dir, placement="in_process"):
+    """Weights written by `save_full_weights` load back into the sampler (`load_sampler_weights`, Tinker's sampler
+    snapshots): after a trained sync, the base model's snapshot samples and scores as the base did, and the trained
+    one as it did."""
+    import tempfile
+
+    from arctic_rl_core.types import Sequence
+    from tests.helpers import grpo_batch
+
+    api = backend(model_dir, placement=placement)
+    batch = grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6)
+    prompt = batch[0].prompt_ids
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+    def sampled():
+        [completion] = api.generate([prompt], greedy)
+        scored = api.log_probs([Sequence(prompt_ids=prompt, response_ids=completion.token_ids)], source="sampler")
+        return completion.token_ids, completion.logprobs, scored.logprobs[0], completion.weight_version
+
+    folder = tempfile.mkdtemp()
+    api.save_full_weights(os.path.join(folder, "base"))
+    base = sampled()
+    api.fwd_bwd(batch, "grpo")
+    api.step()
+    api.sync_weights()
+    api.save_full_weights(os.path.join(folder, "trained"))
+    trained = sampled()
+    versions = [api.load_sampler_weights(os.path.join(folder, "base"))]
+    base_again = sampled()
+    versions.append(api.load_sampler_weights(os.path.join(folder, "trained")))
+    trained_again = sampled()
+    return {"tokens_differ": base[0] != trained[0] or max_err([base[2]], [trained[2]]) > 1e-2,
+            "base_tokens": base_again[0] == base[0], "trained_tokens": trained_again[0] == trained[0],
+            "base_err": max(max_err([base[1]], [base_again[1]]), max_err([base[2]], [base_again[2]])),
+            "trained_err": max(max_err([trained[1]], [trained_again[1]]), max_err([trained[2]], [trained_again[2]])),
+            "versions": versions, "sampled_versions": [base_again[3], trained_again[3]]}
+
+
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
     from transformers.utils import logging as hf_logging
@@ -971,5 +1009,5 @@ if __name__ == "__main__":
               "abort": abort, "reshaped": reshaped, "cascade": cascade, "continuous": continuous,
               "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming,
               "rope_scaling": rope_scaling, "adapters": adapters,
-              "cancelled": cancelled, "constrained": constrained}[scenario](model_dir, *rest)
+              "cancelled": cancelled, "constrained": constrained, "snapshots": snapshots}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

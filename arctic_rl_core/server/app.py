@@ -64,11 +64,11 @@ class ServerSettings:
     served_model_name: str | None = None
     """The model name the OpenAI-compatible routes answer to (default: the job's model_path)."""
     tool_call_parser: str | None = None
-    """`hermes`: chat replies' tool-call blocks are returned as `tool_calls` (vLLM's --tool-call-parser)."""
+    """vLLM's tool-call parser of this name reads chat replies' tool calls into `tool_calls` (`--tool-call-parser`)."""
     tinker_full_parameter: bool = False
     """The Tinker routes train all parameters of a job without LoRA for a client that asks for LoRA."""
-    tinker_tenants: int = 1
-    """Tinker models training at once, time-sharing the engine (1: one at a time, on the job's policy itself)."""
+    tinker_tenants: int = 8
+    """Tinker models training at once, each from the base model, time-sharing the engine."""
     tinker_keys: dict[str, str] | None = None
     """Tinker tenants' API keys (name -> key): only these are taken on the Tinker routes, each its own tenant, and
     they pass the server's guard there in place of its token."""

@@ -4,7 +4,7 @@ listed, looked up and deleted, and exported weights downloaded (SDK 0.38's route
 A training run is a Tinker model (`<session>:train:<n>`). Its record (`run.json`: base model, LoRA rank, its
 session, user metadata) is written beside its checkpoints when it is made, so runs and their checkpoints on disk
 (`weights/<name>`: `save_state`; `external_weights/<name>`: `save_weights_external`) outlive the server; sampler
-checkpoints (`sampler_weights/<name>`) are what the sampler serves now, and are listed while it does. A checkpoint
+checkpoints (`sampler_weights/<name>`) are the saves this server process keeps for its sampler, listed while kept. A checkpoint
 on disk may be given a TTL; past it, it is deleted when next looked at. Everything is confined to the asking
 tenant: another's run, checkpoint or session is a 404, as one that does not exist.
 
@@ -31,7 +31,7 @@ from arctic_rl_core.server.security import SIGNED_PREFIX, confine
 
 RUN_FILE = "run.json"
 ON_DISK = {"weights": "training", "external_weights": "external"}
-"""A tinker path's segment -> the checkpoint type the SDK names it (sampler checkpoints are not on disk)."""
+"""A tinker path's segment -> the checkpoint type the SDK names it (sampler checkpoints are kept by the process)."""
 EXPIRES_SUFFIX = ".expires"
 """Beside a checkpoint's folder: when it expires (epoch seconds)."""
 MAX_PAGE = 1000
@@ -155,8 +155,10 @@ def add_rest_routes(app: FastAPI, state, prefix: str, tenant: Callable[[Request]
         head = f"tinker://{run_id}/sampler_weights/"
         for path, weights in state.sampler_paths.items():
             if path.startswith(head) and weights.tenant == who:
+                kept = state.kept.get(weights.kept)
                 found.append({"checkpoint_id": path[len("tinker://" + run_id) + 1:], "checkpoint_type": "sampler",
-                              "time": _iso(weights.saved), "tinker_path": path, "size_bytes": None, "public": False,
+                              "time": _iso(weights.saved), "tinker_path": path,
+                              "size_bytes": size(kept.folder) if kept is not None else None, "public": False,
                               "expires_at": None})
         return sorted(found, key=lambda c: c["time"])
 
@@ -221,7 +223,7 @@ def add_rest_routes(app: FastAPI, state, prefix: str, tenant: Callable[[Request]
         who = tenant(request)
         body = await read_json(request)
         if kind == "sampler_weights":
-            raise InvalidRequest("tinker_path", "a sampler checkpoint lasts while the sampler serves it: no TTL")
+            raise InvalidRequest("tinker_path", "a sampler checkpoint lasts while the server keeps it: no TTL")
         folder = checkpoint_folder(who, run_id, kind, name)
         set_expiry(folder, expiry(body.get("ttl_seconds") if isinstance(body, dict) else None, "ttl_seconds"))
         return Response(status_code=204)

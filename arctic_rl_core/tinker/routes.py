@@ -1,11 +1,12 @@
 """Tinker's training and sampling API (`/api/v1/...`) on `arctic-rl serve`, for the unmodified `tinker` SDK.
 
-A Tinker model trains the job's policy (LoRA at the job's `engine.lora` rank, or all parameters where the server
-runs with `--tinker-full-parameter`): one model at a time, or several time-sharing the engine (`tenants.py`).
-Each request is a tenant's, and sees only that tenant's sessions, models and results. Training calls run on the
-job's ordered worker in `seq_id` order; `forward_backward` accumulates gradients until `optim_step`, as Tinker's do.
-`save_weights_for_sampler` syncs the weights to the sampler; a sampling session samples the version it was made
-for, and is refused once a later sync has replaced it (never silently sampled from other weights).
+A Tinker model trains as the job's policy does (LoRA at the job's `engine.lora` rank, or all parameters where the
+server runs with `--tinker-full-parameter`), each from the base model, several time-sharing the engine
+(`tenants.py`). Each request is a tenant's, and sees only that tenant's sessions, models and results. Training
+calls run on the job's ordered worker in `seq_id` order; `forward_backward` accumulates gradients until
+`optim_step`, as Tinker's do. `save_weights_for_sampler` keeps the model's weights for the sampler: an adapter it
+serves, or a snapshot it loads when sampled (`snapshots.py`); a sampling session samples those weights and no
+others, until they are deleted or evicted.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from arctic_rl_core.server.security import TINKER_PREFIX, confine
 from arctic_rl_core.tinker import rest, wire
 from arctic_rl_core.tinker.futures import FutureTable, SeqOrder
 from arctic_rl_core.tinker.losses import loss_spec, with_loss_inputs
+from arctic_rl_core.tinker.snapshots import BASE, SamplerHold
 from arctic_rl_core.tinker.tenants import JOB, Residency, tenant_of
 from arctic_rl_core.types import MAX_LEARNING_RATE, MAX_TOP_LOGPROBS, AdamSettings, LossSpec, SamplingParams, Sequence
 from arctic_rl_core.validation import parse
@@ -47,8 +49,9 @@ SESSIONS_PER_TENANT = 64
 """A tenant's sessions past this push out its own least recently heard from (one that holds no model)."""
 SAMPLERS_PER_TENANT = 256
 """A tenant's sampling sessions past this push out its own oldest (an RL loop makes one per step)."""
-ADAPTERS_PER_MODEL = 4
-"""Adapters served per model the server trains at once: an RL loop saves one per step and samples the newest."""
+KEPT_PER_MODEL = 4
+"""Sampler saves (adapters or snapshots) kept per model the server trains at once: an RL loop saves one per step and
+samples the newest."""
 SHAPE_FILE = "tinker_adapter.json"
 """In a Tinker checkpoint of a LoRA job: the rank and module families its model trained."""
 SESSION_TIMEOUT_S = 60.0
@@ -85,14 +88,21 @@ class Session:
 
 @dataclass
 class SamplerWeights:
-    """What a `save_weights_for_sampler` made: the sampler's weights at `version`, or, where the sampler serves
-    tenants' adapters, `adapter` on its base model (version 0)."""
+    """What a sampling session samples: `kept`, what a `save_weights_for_sampler` kept (an adapter the sampler serves
+    on its base model, or a snapshot of the model's weights), or None: the base model."""
     tenant: str
-    version: int
-    adapter: str | None = None
+    kept: str | None = None
     shape: AdapterShape | None = None
     """The adapter shape of the model that saved them."""
     saved: float = field(default_factory=time.time)
+
+
+@dataclass
+class Kept:
+    """Weights a save kept for the sampler: an adapter it serves, or a snapshot it loads when sampled."""
+    model_id: str
+    folder: str
+    adapter: bool
 
 
 @dataclass
@@ -106,9 +116,8 @@ class Sampler:
 class TinkerState:
     full_parameter: bool = False
     """Train all of a full-parameter job's weights for a client that asks for LoRA (the SDK can ask for no other)."""
-    max_models: int = 1
-    """Models training at once. Above 1 they time-share the engine, each from the job's policy; at 1 the model
-    trains the job's policy itself, and keeps what it trained there."""
+    max_models: int = 8
+    """Models training at once, time-sharing the engine, each from the base model."""
     keys: dict[str, str] | None = None
     """Tenant name -> API key; None: any key, each its own tenant."""
     sessions: dict[str, Session] = field(default_factory=dict)
@@ -116,12 +125,17 @@ class TinkerState:
     samplers: dict[str, Sampler] = field(default_factory=dict)
     sampler_paths: dict[str, SamplerWeights] = field(default_factory=dict)
     """tinker://.../sampler_weights/<name> -> what was saved under it."""
-    adapters: dict[str, tuple[str, str]] = field(default_factory=dict)
-    """Adapters the sampler serves, oldest first: name -> the model that saved it, and its folder."""
-    adapter_uses: Counter = field(default_factory=Counter)
-    """Samples in flight per adapter (on the event loop only)."""
-    retired: dict[str, str] = field(default_factory=dict)
-    """Adapters no longer served to new samples, dropped once their samples in flight end: name -> folder."""
+    kept: dict[str, Kept] = field(default_factory=dict)
+    """What saves kept for the sampler, oldest first, by name."""
+    uses: Counter = field(default_factory=Counter)
+    """Samples in flight (or waiting for the sampler) per kept name (on the event loop only)."""
+    retired: dict[str, Kept] = field(default_factory=dict)
+    """Kept weights no longer sampled by new samples, dropped once their samples in flight end."""
+    hold: SamplerHold = field(default_factory=SamplerHold)
+    """Which snapshot the sampler holds, where it serves no adapters."""
+    base_folder: str | None = None
+    """Where the base model's snapshot is kept, where the sampler serves no adapters (written before the first model
+    trains, where the sampler still holds the base weights then)."""
     futures: FutureTable = field(default_factory=FutureTable)
     downloads: dict[str, tuple[str, float]] = field(default_factory=dict)
     """Signed download tokens of external weights: token -> (folder, when it expires)."""
@@ -150,10 +164,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     def model_name(api) -> str:
         return serving.model_name(api)
 
-    residency = Residency(os.path.join(checkpoint_root, "tinker", ".parked")) if state.max_models > 1 else None
-    if residency is not None:
-        job.own_policy = lambda: residency.enter(job.api, JOB)
-    adapter_ids = itertools.count(1)
+    residency = Residency(os.path.join(checkpoint_root, "tinker", ".parked"))
+    job.own_policy = lambda: residency.enter(job.api, JOB)
+    kept_ids = itertools.count(1)
 
     def tenant(request: Request) -> str:
         return tenant_of(request, state.keys)
@@ -180,6 +193,13 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         except Exception as err:  # the call's failure, or settle's, is the future's answer
             outcome.set_exception(err)
 
+    def enter(model: TinkerModel) -> None:
+        """On the ordered worker: the engine holds `model`'s training state."""
+        api = api_of()
+        if residency.untrained is None and not serves_adapters(api):  # the first model: keep the base's weights
+            keep_base(api)
+        residency.enter(api, model.model_id, model.shape)
+
     def deferred(model: TinkerModel, encode: Callable[[Any], Any], work: Callable[[], Any],
                  settle: Callable[[Any], Any] | None = None) -> tuple[str, Callable[[], None]]:
         """A request id now, and `start()`, which runs `work` on `model`'s training state on the job's ordered
@@ -187,8 +207,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         request_id, outcome = state.futures.add(encode, model.tenant)
 
         def on_model():
-            if residency is not None:
-                residency.enter(api_of(), model.model_id, model.shape)
+            enter(model)
             return work()
 
         def start():
@@ -319,15 +338,9 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
     # -- models -------------------------------------------------------------------------------------------
 
     def release(api, model: TinkerModel):
-        """The model leaves, with the gradients it accumulated and never stepped (on the ordered worker, before any
-        call of the next model). Alone, it trained the job's weights, which stay; time-sharing, its state goes."""
+        """The model leaves, with its training state and the gradients it never stepped (on the ordered worker,
+        before any call of the next model)."""
         del state.models[model.model_id]
-        if residency is None:
-            def leave():
-                api.discard_gradients()
-                if model.shape is not None:
-                    api.shape_adapter(None)
-            return job.ordered.submit(leave)
         return job.ordered.submit(residency.leave, api, model.model_id, not state.models)
 
     def lora_rank(api, shape: AdapterShape | None) -> int | None:
@@ -380,12 +393,11 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         base = body.get("base_model")
         if base is not None and base != model_name(api):
             raise InvalidRequest("base_model", f"this server trains {model_name(api)!r}, not {base!r}")
-        if shape is not None and not (residency.can_start(api, shape) if residency is not None
-                                      else api.policy_untrained and not state.models):
+        if not residency.can_start(api, shape):
             raise InvalidRequest("lora_config", "a model of another rank or other modules than the job's adapter "
                                  f"(rank {api.adapter_layout().rank}, {api.config.engine.lora.target_modules}) starts "
-                                 "from the untrained adapter, and this job's policy has trained: time-share models "
-                                 "from the start (arctic-rl serve --tinker-tenants N)")
+                                 "from the untrained adapter, and this job's policy trained before its first Tinker "
+                                 "model: none is kept")
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise InvalidRequest("optimizer_config.type", f"{optimizer!r}: this server's optimizer is AdamW")
@@ -411,18 +423,6 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             "user_metadata": metadata if isinstance(metadata, dict) else None})
         return state.models[model_id]
 
-    async def shaped(api, model: TinkerModel) -> None:
-        """Where a model trains the job's policy itself, its adapter takes the model's shape before its first call
-        (time-sharing, each model's entry shapes it)."""
-        if residency is not None or model.shape is None:
-            return
-        try:
-            await asyncio.wrap_future(job.ordered.submit(api.shape_adapter, model.shape))
-        except Exception:
-            del state.models[model.model_id]
-            shutil.rmtree(run_folder(model.tenant, model.model_id), ignore_errors=True)  # a run that never began
-            raise
-
     def done_now(value: dict, who: str) -> dict:
         """A future that is already resolved (calls that change no training state)."""
         request_id, outcome = state.futures.add(lambda result: result, who)
@@ -435,8 +435,20 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         body = await read_json(request)
         api = api_of()
         model = new_model(api, body, who, lora_shape(api, body.get("lora_config")))
-        await shaped(api, model)
         return {**done_now({"model_id": model.model_id, "type": "create_model"}, who), "model_id": model.model_id}
+
+    @app.post(f"{PREFIX}/arctic/state_digest")
+    async def model_state_digest(request: Request):
+        """Not a call of Tinker's: a digest of a model's weights and optimizer state, as the training API's
+        `state_digest` gives the job's (a refused call changes neither; a run repeated gives the same)."""
+        who = tenant(request)
+        body = await read_json(request)
+        model = owned_model(body.get("model_id"), who)
+
+        def digest() -> str:
+            enter(model)
+            return api_of().state_digest()
+        return {"digest": await asyncio.wrap_future(job.ordered.submit(digest))}
 
     @app.post(f"{PREFIX}/get_info")
     async def get_info(request: Request):
@@ -567,34 +579,43 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return sampler_id
 
     def serves_adapters(api) -> bool:
-        """Time-shared models sample through their own adapters where the sampler serves them; otherwise a save
-        syncs the model's weights to the sampler, replacing what another model saved."""
-        return residency is not None and api.sampler.adapters > 0
+        """Whether models sample through their own adapters on the sampler's base weights (a LoRA job whose sampler
+        serves adapters); otherwise through snapshots of their weights (`snapshots.py`)."""
+        return api.adapter_layout() is not None and api.sampler.adapters > 0
 
-    def retire_adapters(model_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        """A model's adapters beyond its newest few are no longer served to new samples (their sampling sessions are
-        refused), nor, past a few per model the server trains at once, those of models that left, oldest first.
-        The sampler drops each once the samples in flight with it end (vLLM reads an adapter's folder again when it
-        must reload it)."""
-        own = [name for name, (saved_by, _) in state.adapters.items() if saved_by == model_id]
-        gone = [name for name, (saved_by, _) in state.adapters.items() if saved_by not in state.models]
-        excess = max(0, len(state.adapters) - len(own[:-ADAPTERS_PER_MODEL]) - ADAPTERS_PER_MODEL * state.max_models)
-        for name in own[:-ADAPTERS_PER_MODEL] + gone[:excess]:
-            _, folder = state.adapters.pop(name)
-            loop.call_soon_threadsafe(retire, name, folder)
+    def keep_base(api) -> None:
+        """On the ordered worker, before the first model trains: the base model's weights are kept as a snapshot,
+        where the sampler and the engine still hold them (a job that trained or synced before keeps none)."""
+        if api.weight_version == 0 and api.policy_untrained:
+            folder = os.path.join(residency.root, "base-sampler")
+            shutil.rmtree(folder, ignore_errors=True)
+            api.save_full_weights(folder)
+            state.base_folder = folder
 
-    def retire(name: str, folder: str) -> None:
-        """On the event loop: drop the adapter now, or when its last sample in flight ends."""
-        state.retired[name] = folder
-        if not state.adapter_uses[name]:
+    def retire_kept(model_id: str) -> None:
+        """A model's sampler saves beyond its newest few are no longer sampled (their sampling sessions are refused),
+        nor, past a few per model the server trains at once, those of models that left, oldest first. Each is
+        dropped once the samples in flight with it end (vLLM reads an adapter's folder again when it must reload
+        it; a snapshot's is read when the sampler loads it)."""
+        own = [name for name, kept in state.kept.items() if kept.model_id == model_id]
+        gone = [name for name, kept in state.kept.items() if kept.model_id not in state.models]
+        excess = max(0, len(state.kept) - len(own[:-KEPT_PER_MODEL]) - KEPT_PER_MODEL * state.max_models)
+        for name in own[:-KEPT_PER_MODEL] + gone[:excess]:
+            retire(name, state.kept.pop(name))
+
+    def retire(name: str, kept: Kept) -> None:
+        """Drop kept weights now, or when their last sample in flight ends."""
+        state.retired[name] = kept
+        if not state.uses[name]:
             drop(name)
 
     def drop(name: str) -> None:
-        folder = state.retired.pop(name)
+        kept = state.retired.pop(name)
 
         def remove():
-            api_of().remove_adapter(name)
-            shutil.rmtree(folder, ignore_errors=True)
+            if kept.adapter:
+                api_of().remove_adapter(name)
+            shutil.rmtree(kept.folder, ignore_errors=True)
         asyncio.get_running_loop().run_in_executor(None, remove)
 
     @training_call("save_weights_for_sampler")
@@ -603,33 +624,31 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         name = body.get("path")
         if name is not None:
             checkpoint_dir(who, model.model_id, name, "sampler_weights")  # checked now: the call fails before it runs
+        # Each save its own folder: a name saved again never rewrites weights that are sampled.
+        label = f"{'a' if serves_adapters(api) else 's'}{next(kept_ids)}"
+        folder = checkpoint_dir(who, model.model_id, label, "sampler_weights")
+        kept_name = f"{model.model_id}/{label}"
+
+        def work() -> SamplerWeights:
+            shutil.rmtree(folder, ignore_errors=True)
+            if serves_adapters(api):
+                api.save_adapter(folder)
+                api.add_adapter(kept_name, folder)
+            else:
+                api.save_full_weights(folder)
+            return SamplerWeights(who, kept_name, model.shape)
 
         def settle(weights: SamplerWeights) -> dict:
-            label = name if name is not None else f"v{weights.version}" if weights.adapter is None else \
-                weights.adapter.rsplit("/", 1)[1]
-            path = f"tinker://{model.model_id}/sampler_weights/{label}"
+            state.kept[kept_name] = Kept(model.model_id, folder, serves_adapters(api))
+            retire_kept(model.model_id)
+            path = f"tinker://{model.model_id}/sampler_weights/{name if name is not None else label}"
             state.sampler_paths[path] = weights
             answer = {"type": "save_weights_for_sampler", "path": path}
             if name is None:  # the SDK's ephemeral save: it samples through the session made here
                 answer["sampling_session_id"] = new_sampler(model.session_id, weights, path)
             return answer
 
-        if not serves_adapters(api):
-            return ordered(model, body.get("seq_id"), JSONResponse, lambda: SamplerWeights(who, api.sync_weights(), shape=model.shape),
-                           settle)
-        label = f"a{next(adapter_ids)}"  # each save its own folder: a name saved again never rewrites a served one
-        folder = checkpoint_dir(who, model.model_id, label, "sampler_weights")
-        loop = asyncio.get_running_loop()
-
-        def save_adapter() -> SamplerWeights:
-            adapter = f"{model.model_id}/{label}"
-            api.save_adapter(folder)
-            api.add_adapter(adapter, folder)
-            state.adapters[adapter] = (model.model_id, folder)
-            retire_adapters(model.model_id, loop)
-            return SamplerWeights(who, 0, adapter, model.shape)
-
-        return ordered(model, body.get("seq_id"), JSONResponse, save_adapter, settle)
+        return ordered(model, body.get("seq_id"), JSONResponse, work, settle)
 
     @training_call("save_weights")
     def save_weights(body: dict, who: str) -> dict:
@@ -703,7 +722,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             model = new_model(api, body, who, shape)
             request_id, start = deferred(model, lambda _: JSONResponse({"type": "load_weights", "path": path,
                                                                         "model_id": model.model_id}),
-                                         lambda: api.load_checkpoint(directory, optimizer, publish=residency is None))
+                                         lambda: api.load_checkpoint(directory, optimizer, publish=False))
             start()
             return {"request_id": request_id, "model_id": model.model_id}
         model = owned_model(body.get("model_id"), who)
@@ -712,7 +731,7 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                                  f"model trains rank {lora_rank(api, model.shape)} ({model.shape})")
         return ordered(model, body.get("seq_id"),
                        lambda _: JSONResponse({"type": "load_weights", "path": path, "model_id": model.model_id}),
-                       lambda: api.load_checkpoint(directory, optimizer, publish=residency is None))
+                       lambda: api.load_checkpoint(directory, optimizer, publish=False))
 
     # -- sampling -----------------------------------------------------------------------------------------
 
@@ -730,13 +749,18 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         else:
             if base is not None and base != model_name(api):
                 raise InvalidRequest("base_model", f"this server samples {model_name(api)!r}, not {base!r}")
-            if api.weight_version != 0:  # refused now, not at its first sample
-                raise InvalidRequest("base_model", f"the sampler holds trained weights (version {api.weight_version}) "
-                                     "in place of the base model's: it samples the base model while no model's "
-                                     "weights were saved for sampling, or, with models time-sharing a LoRA job "
-                                     "(--tinker-tenants N) whose sampler serves adapters, at any time")
-            weights = SamplerWeights(who, 0)  # the base model: the job's initial weights
+            if not base_sampled(api):  # refused now, not at its first sample
+                raise InvalidRequest("base_model", f"the sampler holds other weights (version {api.weight_version}) "
+                                     "than the base model's, which this server did not keep: the job's policy trained "
+                                     "or synced before the first Tinker model")
+            weights = SamplerWeights(who)  # the base model: the job's initial weights
         return {"type": "create_sampling_session", "sampling_session_id": new_sampler(session_id, weights, path)}
+
+    def base_sampled(api) -> bool:
+        """Whether the base model can be sampled: the sampler holds it, or it is kept as a snapshot."""
+        if serves_adapters(api):
+            return api.weight_version == 0
+        return state.hold.holds(api, BASE) or state.base_folder is not None
 
     def owned_sampler(sampler_id: Any, who: str, field_name: str) -> Sampler:
         sampler = state.samplers.get(sampler_id) if isinstance(sampler_id, str) else None
@@ -782,11 +806,16 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
                  if stop == [] else {"stop_token_ids": stop} if all(isinstance(s, int) for s in stop) else {"stop": stop})
         with_prompt = bool(body.get("prompt_logprobs"))
         scored = with_prompt or topk["topk_prompt_logprobs"] > 0
-        adapter = sampler.weights.adapter
-        if adapter is not None and adapter not in state.adapters:
-            raise InvalidRequest("sampling_session_id", "its weights were saved for the sampler too long ago and are "
-                                 "no longer served: save weights for the sampler again")
-        sampling = parse(SamplingParams, {**params, **stops, "n": num_samples, "max_tokens": max_tokens,
+        name = sampler.weights.kept
+        kept = state.kept.get(name) if name is not None else None
+        if name is not None and kept is None:
+            raise InvalidRequest("sampling_session_id", f"its weights are no longer kept: each model's newest "
+                                 f"{KEPT_PER_MODEL} saves for the sampler are, unless deleted; save weights again")
+        adapter = name if kept is not None and kept.adapter else None
+        # Tinker gives num_samples greedy samples, all alike; the sampler is asked for one (it takes n=1 greedy only).
+        copies = num_samples if params.get("temperature", 1.0) == 0 and isinstance(num_samples, int) \
+            and not isinstance(num_samples, bool) and num_samples > 1 else 1
+        sampling = parse(SamplingParams, {**params, **stops, "n": num_samples // copies, "max_tokens": max_tokens,
                                           "adapter": adapter,
                                           "top_k": max(top_k, 0), "logprobs": topk["topk_sample_logprobs"],
                                           "prompt_logprobs": topk["topk_prompt_logprobs"] if scored else None},
@@ -802,31 +831,36 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
             try:
                 return await sample()
             finally:
-                if adapter is not None:
-                    state.adapter_uses[adapter] -= 1
-                    if not state.adapter_uses[adapter]:
-                        del state.adapter_uses[adapter]
-                        if adapter in state.retired:
-                            drop(adapter)
+                if name is not None:
+                    state.uses[name] -= 1
+                    if not state.uses[name]:
+                        del state.uses[name]
+                        if name in state.retired:
+                            drop(name)
 
         async def sample():
-            if api.weight_version != sampler.weights.version:
-                raise InvalidRequest("sampling_session_id", f"its weights (version {sampler.weights.version}) were "
-                                     f"replaced by version {api.weight_version}: save weights for the sampler again")
-            completions = await serving.generate(api, job.reads, [prompt], sampling)
-            stale = [v for c in completions for v in c.token_versions or [c.weight_version]
-                     if v != sampler.weights.version]
+            if serves_adapters(api):  # the sampler's base weights, under the session's adapter if any
+                if api.weight_version != 0:
+                    raise InvalidRequest("sampling_session_id", f"the sampler's base weights were replaced by version "
+                                         f"{api.weight_version} (a sync of the training API)")
+                completions = await serving.generate(api, job.reads, [prompt], sampling)
+                version = 0
+            else:
+                folder = state.base_folder if name is None else kept.folder
+                async with state.hold.holding(api, name or BASE, folder) as version:
+                    completions = await serving.generate(api, job.reads, [prompt], sampling)
+            stale = [v for c in completions for v in c.token_versions or [c.weight_version] if v != version]
             if stale:
                 raise InvalidRequest("sampling_session_id", f"a weight sync (version {stale[0]}) crossed this sample")
-            return completions
+            return completions * copies
 
         request_id, outcome = state.futures.add(lambda completions: Response(
             wire.sample_response(completions, with_prompt, topk["topk_prompt_logprobs"], topk["topk_sample_logprobs"]),
             media_type=wire.MEDIA_TYPE), who)
-        if adapter is not None:  # counted now: a retirement from here on waits for this sample
-            state.adapter_uses[adapter] += 1
+        if name is not None:  # counted now: a retirement from here on waits for this sample
+            state.uses[name] += 1
         asyncio.ensure_future(work()).add_done_callback(lambda done: resolve(outcome, done))
-        return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(sampling.n)]}
+        return {"request_id": request_id, "sample_sequence_ids": [uuid.uuid4().hex for _ in range(sampling.n * copies)]}
 
     def prompt_tokens(prompt: Any) -> list[int]:
         chunks = (prompt or {}).get("chunks") if isinstance(prompt, dict) else None
@@ -845,12 +879,11 @@ def add_tinker_routes(app: FastAPI, state: TinkerState, job, api_of: Callable[[]
         return tokens
 
     def forget_sampler_path(path: str) -> None:
-        """On the event loop: what was saved under `path` is no longer sampled (its adapter, if any, is dropped once
-        its samples in flight end)."""
+        """On the event loop: what was saved under `path` is no longer sampled (dropped once its samples in flight
+        end)."""
         weights = state.sampler_paths.pop(path)
-        if weights.adapter is not None and weights.adapter in state.adapters:
-            _, folder = state.adapters.pop(weights.adapter)
-            retire(weights.adapter, folder)
+        if weights.kept in state.kept:
+            retire(weights.kept, state.kept.pop(weights.kept))
 
     rest.add_rest_routes(app, state, PREFIX, tenant, read_json,
                          lambda who: confine(checkpoint_root, os.path.join("tinker", who)), forget_sampler_path)
