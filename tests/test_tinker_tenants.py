@@ -164,7 +164,9 @@ def test_a_tenant_cannot_see_or_touch_another_tenants_models(shared):
         assert tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"] == before
         assert ArcticRLClient(shared, token=TOKEN, retries=0).status()["backend"]["weight_version"] == 0
 
+        digest = raw(shared, alice, "arctic/state_digest", {"model_id": model_id}).json()["digest"]
         bob_session = raw(shared, bob, "create_session", {}).json()["session_id"]
+        assert raw(shared, bob, "arctic/state_digest", {"model_id": model_id}).status_code == 404
         refusals = {
             "get_info": raw(shared, bob, "get_info", {"model_id": model_id}),
             "optim_step": raw(shared, bob, "optim_step", {"model_id": model_id, "seq_id": 50,
@@ -183,6 +185,7 @@ def test_a_tenant_cannot_see_or_touch_another_tenants_models(shared):
             assert "alice" not in answer.text
         assert raw(shared, bob, "session_heartbeat", {"session_id": session_id}).status_code == 410
         # Nothing of alice's moved: her model trains on from where it was, and her future is hers to read.
+        assert raw(shared, alice, "arctic/state_digest", {"model_id": model_id}).json()["digest"] == digest
         assert tc.forward(data("alice"), "cross_entropy").result().metrics["loss:sum"] == before
         assert raw(shared, alice, "retrieve_future", {"request_id": made["request_id"]}).json()["model_id"] == \
             made["model_id"]

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "e2e": "seconds per GRPO step of the tiny text2sql recipe: naive+sync vs ZoRRo+async",
     "tenants": "what time-sharing the engine costs a Tinker model: a switch (park + resume) beside a training step, "
                "LoRA and full parameter",
+    "after_update": "generate after a ZoRRo-on update against after a ZoRRo-off one, alternating in one process",
     "frameworks": "verl, SkyRL and prime-rl alone against the same framework through Arctic RL, ZoRRo off and on, "
                   "on the seed's GRPO shape (not run in CI)",
     "replay": "MoE router replay (R3): flipped routes and the sampler-vs-trainer log-prob gap off and on (bf16 sampler, "
