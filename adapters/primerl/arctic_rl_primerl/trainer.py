@@ -133,12 +133,12 @@ def train_step(client: ArcticRLClient, config, batch: StepBatch) -> dict:
         for name, value in result.metrics.items():
             metrics[name] = metrics.get(name, 0.0) + value * sum(int(sum(s.loss_mask)) for s in sequences) / batch.num_tokens
     trained = time.perf_counter()
-    client.step()
+    stepped = client.step()
     version = client.sync_weights()
     replayed = sum(s.routed_experts is not None for seqs in batch.by_temperature.values() for s in seqs)
     return {"loss": loss, "samples": batch.samples, "replayed_samples": replayed, "trained_tokens": batch.num_tokens,
             "computed_tokens": int(computed), "unshared_tokens": batch.unshared_tokens,
-            "fwd_bwd_s": trained - started, "step_sync_s": time.perf_counter() - trained,
+            "fwd_bwd_s": trained - started, "step_sync_s": time.perf_counter() - trained, "grad_norm": stepped.grad_norm,
             "weight_version": version, **{f"loss/{k}": v for k, v in metrics.items()}}
 
 

@@ -46,9 +46,8 @@ class Framework:
     """The same for the framework with its own engines and nothing of Arctic RL."""
     job: dict = field(default_factory=dict)
     """The server's job beside the model and ZoRRo: what matches the framework's own settings."""
-    not_run: str | None = None
-    """Why the framework is not run here (a column that cannot run says why in `alone_not_run`)."""
     alone_not_run: str | None = None
+    """Why the framework cannot run alone here."""
 
 
 FRAMEWORKS = {
@@ -72,8 +71,14 @@ FRAMEWORKS = {
                       "dozen torch.cuda calls; the patched run would time SkyRL's CPU fallbacks (padded SDPA, disk "
                       "sync), not SkyRL as its users run it"),
     "primerl": Framework(
-        "primerl", (), (),
-        not_run="not yet built through this bench (its orchestrator runs through Arctic RL in compat_tests/primerl)",
+        # The trainer's phases (prime-rl's orchestrator generates ahead of it; `wait` is what it did not hide).
+        "primerl", ("wait", "update_actor", "update_weights", "step"), ("update_actor",),
+        runner="primerl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/primerl_arctic.sh",
+        # prime-rl's optimizer defaults (AdamW, weight decay 0.01, betas 0.9/0.999, clip 1.0), which its adapter
+        # checks the job against.
+        job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
+                        "grad_clip": 1.0, "dtype": "float32"},
+             "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
         alone_not_run="prime-rl 0.8's trainer has no CPU path: its attention is flash-attn's varlen kernel only "
                       "(models/layers/attn.py; packed rows need it) and its step places tensors on 'cuda' in about 20 "
                       "places (rl/train.py, trainer/utils.py, model.py), with Muon imported from the git-only dion"),
@@ -174,13 +179,8 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
     result = {"benchmark": "frameworks", "model": MODEL, "rounds": rounds, "steps": steps, "frameworks": {}}
     for name in names:
         framework = FRAMEWORKS[name]
-        entry: dict = {"skipped": framework.not_run} if framework.not_run else {}
-        if framework.alone_not_run:
-            entry["alone_not_run"] = framework.alone_not_run
+        entry: dict = {"alone_not_run": framework.alone_not_run} if framework.alone_not_run else {}
         result["frameworks"][name] = entry
-        if framework.not_run:
-            log(f"{name}: skipped: {framework.not_run}")
-            continue
         wanted = [c for c in columns if not (c == "alone" and framework.alone_not_run)]
         pythons = {}
         for column in wanted:
@@ -211,9 +211,6 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
 def table(result: dict) -> str:
     lines = []
     for name, entry in result["frameworks"].items():
-        if "skipped" in entry:
-            lines.append(f"{name}: not run: {entry['skipped']}")
-            continue
         for shape_name, s in entry["shapes"].items():
             columns = list(s["seconds"])
             lines.append(f"\n{name}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
