@@ -4,8 +4,10 @@ Before a model's call runs, the engine holds that model's training state: the re
 (`Backend.park_policy`: trainable weights and optimizer state) and the next one resumed (`resume_policy`), its
 unstepped gradients rebuilt by running its `forward_backward` calls again. Measured on one backend in process, for
 a LoRA job and a full-parameter one on the same model, side by side with one training step (fwd_bwd + step) of the
-same batch: a switch between two models' states with no gradients pending, and with one fwd_bwd to rebuild.
-Medians over repeats; each job in its own process.
+same batch: a switch between two models' states with no gradients pending, and with one fwd_bwd to rebuild. Beside
+them, what a save for the sampler costs where the sampler holds one set of weights (`tinker/snapshots.py`): the
+snapshot's write (`save_full_weights`) and its load into the sampler (`load_sampler_weights`), against a direct
+`sync_weights`. Medians over repeats; each job in its own process.
 """
 
 from __future__ import annotations
@@ -70,11 +72,26 @@ def worker(lora_rank: int, layers: int, hidden: int, repeats: int) -> dict:
             elapsed = time.perf_counter() - t0
             times[name].append(elapsed / 2 if name.startswith("switch") else elapsed)
     parked_mb = _size_mb(a)
+    snapshot = os.path.join(work, "snapshot")
+    for name in ("sync", "snapshot_save", "snapshot_load"):
+        times[name] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        api.sync_weights()
+        times["sync"].append(time.perf_counter() - t0)
+        shutil.rmtree(snapshot, ignore_errors=True)
+        t0 = time.perf_counter()
+        api.save_full_weights(snapshot)
+        times["snapshot_save"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        api.load_sampler_weights(snapshot)
+        times["snapshot_load"].append(time.perf_counter() - t0)
+    snapshot_mb = _size_mb(snapshot)
     api.close()
     shutil.rmtree(work, ignore_errors=True)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
     return {"job": f"LoRA r={lora_rank}" if lora_rank else "full parameter", "trainable_params": params,
-            "parked_mb": parked_mb, "seconds": medians, "raw_s": times,
+            "parked_mb": parked_mb, "snapshot_mb": snapshot_mb, "seconds": medians, "raw_s": times,
             "switch_over_step": medians["switch"] / medians["step"],
             "switch_with_pending_over_step": medians["switch_with_pending"] / medians["step"]}
 
@@ -104,7 +121,9 @@ def main(args) -> int:
         s = r["seconds"]
         print(f"{r['job']:>15}: {r['trainable_params'] / 1e6:7.2f} M trainable, parked {r['parked_mb']:7.1f} MiB | "
               f"step {s['step']:.3f} s | switch {s['switch']:.3f} s (x{r['switch_over_step']:.2f} of a step) | "
-              f"with one fwd_bwd to rebuild {s['switch_with_pending']:.3f} s (x{r['switch_with_pending_over_step']:.2f})")
+              f"with one fwd_bwd to rebuild {s['switch_with_pending']:.3f} s (x{r['switch_with_pending_over_step']:.2f})"
+              f" | sampler snapshot {r['snapshot_mb']:.1f} MiB: write {s['snapshot_save']:.3f} s, load "
+              f"{s['snapshot_load']:.3f} s, against a direct sync {s['sync']:.3f} s")
     return 0
 
 
