@@ -10,7 +10,6 @@ policy's, so ZoRRo shortens the update alone. Its orchestrator runs ahead of the
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -22,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from workload import prompts, report, shape_from_json  # noqa: E402
+from workload import prompts, report, runner_parser, shape_from_json  # noqa: E402
 
 ROOT = HERE.parents[2]
 BIN = Path(sys.executable).parent
@@ -120,15 +119,7 @@ def steps_from(out: Path) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--column", choices=["arctic"], required=True)
-    parser.add_argument("--shape", required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--work", required=True)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--override", action="append", default=[])
-    args = parser.parse_args()
+    args = runner_parser(__doc__.split("\n")[0]).parse_args()
 
     shape = shape_from_json(args.shape)
     work = Path(args.work)

@@ -8,7 +8,6 @@ losses are near zero.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workload import prompts, report, shape_from_json  # noqa: E402
+from workload import prompts, report, runner_parser, shape_from_json  # noqa: E402
 
 # SkyRL's Timer names, as this bench's phases (the trainer's step, trainer.py).
 PHASES = {"gen": "timing/generate", "old_log_prob": "timing/fwd_logprobs_values_reward",
@@ -79,15 +78,7 @@ def steps_from(tensorboard: str) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--column", choices=["arctic"], required=True)
-    parser.add_argument("--shape", required=True)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--work", required=True)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--url", required=True)
-    parser.add_argument("--override", action="append", default=[])
-    args = parser.parse_args()
+    args = runner_parser(__doc__.split("\n")[0]).parse_args()
 
     shape = shape_from_json(args.shape)
     os.makedirs(args.work, exist_ok=True)

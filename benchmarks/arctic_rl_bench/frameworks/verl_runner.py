@@ -8,7 +8,6 @@ environment (verl + the adapter), against a server the orchestrator started.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from workload import SEED, report, shape_from_json, write_verl_dataset  # noqa: E402
+from workload import SEED, report, runner_parser, shape_from_json, write_verl_dataset  # noqa: E402
 
 PHASES = ("gen", "old_log_prob", "update_actor", "update_weights", "step")
 METRICS = {"pg_loss": "actor/pg_loss", "grad_norm": "actor/grad_norm", "reward": "critic/score/mean",
@@ -140,14 +139,7 @@ def backend_shares(trace_path: str, steps: list[dict]) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--column", choices=["alone", "arctic"], required=True)
-    parser.add_argument("--shape", required=True, help="workload.Shape as JSON")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--work", required=True, help="an empty folder for this run")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--url", help="the Arctic RL server (column arctic)")
-    parser.add_argument("--override", action="append", default=[], help="one more Hydra override (the tuning)")
+    parser = runner_parser(__doc__.split("\n")[0], ("alone", "arctic"))
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="alone: OMP_NUM_THREADS for verl's Ray workers (Ray's default is 1)")
     args = parser.parse_args()

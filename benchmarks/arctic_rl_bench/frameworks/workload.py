@@ -123,6 +123,22 @@ def report(result: dict, log: str, steps_wanted: int) -> int:
     return 0 if "error" not in result else 1
 
 
+def runner_parser(description: str, columns: tuple[str, ...] = ("arctic",)):
+    """The command line `bench frameworks` gives every runner (bench.run_column)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--column", choices=list(columns), required=True)
+    parser.add_argument("--shape", required=True, help="workload.Shape as JSON")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--work", required=True, help="an empty folder for this run")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--url", required="alone" not in columns, help="the Arctic RL server (column arctic)")
+    parser.add_argument("--override", action="append", default=[], help="one more setting of the framework's (the "
+                        "tuning)")
+    return parser
+
+
 def shape_json(shape: Shape) -> str:
     return json.dumps(asdict(shape))
 
