@@ -9,6 +9,7 @@ same non-null keys (less ours, `weight_versions`), and, sampled greedily, the sa
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -275,7 +276,14 @@ def test_stream_interval_cuts_a_stream_into_the_same_pieces(servers):
             "ignore_eos": True, "stream": True, "stream_interval": 4, "return_token_ids": True}
     ours, theirs = (_pieces(servers[side], body) for side in ("arctic", "vllm"))
     assert sum(ours) == 11 and [n for n in ours if n] == [1, 4, 4, 2], ours  # the first token at once
-    assert [n for n in ours if n] == [n for n in theirs if n], (ours, theirs)
+    # vllm serve cuts at the same tokens, but a piece its client has not yet read is merged with the next one
+    # (vLLM's RequestOutputCollector), so under load it may send fewer pieces: its cuts are some of ours
+    assert sum(theirs) == 11 and set(_cuts(theirs)) <= set(_cuts(ours)), (ours, theirs)
+
+
+def _cuts(pieces: list[int]) -> list[int]:
+    """Where a stream of pieces of these sizes was cut: the tokens sent by the end of each piece."""
+    return list(itertools.accumulate(n for n in pieces if n))
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/inference/v1/generate"])
