@@ -44,6 +44,17 @@ def test_the_dedup_bound_counts_each_groups_prompt_once():
     assert SHAPES["prompt-heavy"].dedup_bound() > 4 > SHAPES["generation-heavy"].dedup_bound()
 
 
+def test_the_compute_bound_counts_attention_to_the_prompt_per_response():
+    shape = Shape(prompts_per_step=1, samples_per_prompt=2, prompt_tokens=2, response_tokens=1)
+    model = {"layers": 1, "hidden": 2, "heads": 1, "kv_heads": 1, "intermediate": 2}
+    # per position 2*4 + 2*4 + 3*4 = 28 multiply-adds, per (query, key) pair 4, the head 2 per response token;
+    # unshared: 2 rows of 3 positions and 6 pairs; shared: 4 positions, the prompt's 3 pairs and 2 x (2 + 1)
+    assert shape.compute_bound(model, vocab=1) == pytest.approx((2 * (3 * 28 + 6 * 4) + 4) / (4 * 28 + 9 * 4 + 4))
+    from arctic_rl_bench.frameworks.workload import MODEL
+    heavy = SHAPES["prompt-heavy"]
+    assert 1 < heavy.compute_bound(MODEL, 567) < heavy.dedup_bound()
+
+
 def test_a_prompts_context_reaches_its_length_and_differs_per_prompt():
     words = lambda text: len(text.split())  # noqa: E731 -- a stand-in tokenizer: one token per word
     first, second = user_message(0, 300, words), user_message(1, 300, words)
@@ -65,7 +76,7 @@ def test_the_summary_holds_medians_ratios_and_the_share_of_the_bound():
     runs = {"alone": [_run({"gen": 4.0, "old_log_prob": 8.0, "update_actor": 20.0, "update_weights": 1.0, "step": 33.0})],
             "zorro-off": [_run({"gen": 2.0, "old_log_prob": 2.0, "update_actor": 4.0, "update_weights": 0.1, "step": 8.1})],
             "zorro-on": [_run({"gen": 2.0, "old_log_prob": 1.0, "update_actor": 2.0, "update_weights": 0.1, "step": 5.1})]}
-    summary = bench.summarise(verl, "prompt-heavy", runs)
+    summary = bench.summarise(verl, "prompt-heavy", runs, 567)
     json.dumps(summary)  # the --json file holds it as it is
     assert summary["seconds"]["alone"]["update_actor"] == 20.0  # the warm-up step is left out
     assert summary["ratios"]["alone_over_zorro_off"]["old_log_prob"] == pytest.approx(4.0)
@@ -74,6 +85,7 @@ def test_the_summary_holds_medians_ratios_and_the_share_of_the_bound():
     bound = SHAPES["prompt-heavy"].dedup_bound()
     assert summary["dedup_bound"] == bound
     assert summary["zorro_fraction_of_bound"] == pytest.approx(2.0 / bound)
+    assert summary["zorro_fraction_of_compute_bound"] == pytest.approx(2.0 / summary["compute_bound"])
     assert summary["zorro_share_of_gain"] == pytest.approx(1.0 / (bound - 1))
     assert summary["first_step"]["alone"] == {"pg_loss": -0.07, "grad_norm": 0.5}
     assert summary["reward_per_step"]["zorro-on"] == [[0.0, 0.25, 0.5]]
@@ -88,7 +100,7 @@ def test_a_failed_column_is_reported_not_averaged():
     verl = bench.FRAMEWORKS["verl"]
     runs = {"alone": [{"error": "verl failed: out of memory"}],
             "zorro-off": [_run({"gen": 2.0, "old_log_prob": 2.0, "update_actor": 4.0, "update_weights": 0.1, "step": 8.1})]}
-    summary = bench.summarise(verl, "prompt-heavy", runs)
+    summary = bench.summarise(verl, "prompt-heavy", runs, 567)
     assert summary["seconds"]["alone"]["gen"] is None
     assert summary["ratios"]["alone_over_zorro_off"]["gen"] is None
     assert summary["errors"]["alone"] == ["verl failed: out of memory"]

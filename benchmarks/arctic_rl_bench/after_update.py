@@ -32,7 +32,8 @@ def run(steps: int) -> dict:
     with tempfile.TemporaryDirectory() as model:
         make_tiny_model(MODEL["family"], model, layers=MODEL["layers"], hidden=MODEL["hidden"], heads=MODEL["heads"],
                         kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"],
-                        max_positions=MODEL["max_positions"])
+                        max_positions=MODEL["max_positions"],
+                        shape={"intermediate": MODEL["intermediate"]})
         tokenizer = AutoTokenizer.from_pretrained(model)
         rendered = [tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)

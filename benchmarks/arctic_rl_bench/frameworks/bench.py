@@ -137,11 +137,13 @@ def phase_medians(runs: list[dict], phases: tuple[str, ...], key: str = "seconds
     return out
 
 
-def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]) -> dict:
+def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]], vocab: int) -> dict:
+    """`vocab`: the built model's vocabulary (for the compute bound)."""
     shape = SHAPES[shape_name]
     columns = {c: phase_medians(rs, framework.phases) for c, rs in runs.items()}
     backend = {c: phase_medians(rs, framework.phases, "backend_seconds") for c, rs in runs.items() if c != "alone"}
-    summary: dict = {"shape": shape_name, **asdict(shape), "dedup_bound": shape.dedup_bound(), "seconds": columns,
+    summary: dict = {"shape": shape_name, **asdict(shape), "dedup_bound": shape.dedup_bound(),
+                     "compute_bound": shape.compute_bound(MODEL, vocab), "seconds": columns,
                      "backend_seconds": backend,
                      "first_step": {c: {k: rs[0]["steps"][0].get(k) for k in ("pg_loss", "grad_norm")}
                                     for c, rs in runs.items() if rs and rs[0].get("steps")},
@@ -164,6 +166,7 @@ def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]
     gain = summary["ratios"]["zorro_off_over_on_update"]
     bound = shape.dedup_bound()
     summary["zorro_fraction_of_bound"] = None if gain is None else gain / bound
+    summary["zorro_fraction_of_compute_bound"] = None if gain is None else gain / summary["compute_bound"]
     # Near a bound of 1x the fraction says little (no gain at all reads 1 / bound): also the share of what was to gain.
     summary["zorro_share_of_gain"] = None if gain is None else (gain - 1) / (bound - 1)
     return summary
@@ -175,7 +178,9 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
 
     model = str(work / "model")
     make_tiny_model(MODEL["family"], model, layers=MODEL["layers"], hidden=MODEL["hidden"], heads=MODEL["heads"],
-                    kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"], max_positions=MODEL["max_positions"])
+                    kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"], max_positions=MODEL["max_positions"],
+                    shape={"intermediate": MODEL["intermediate"]})
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     result = {"benchmark": "frameworks", "model": MODEL, "rounds": rounds, "steps": steps, "frameworks": {}}
     for name in names:
         framework = FRAMEWORKS[name]
@@ -204,7 +209,7 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                     log(f"{name} {shape_name} round {r} {column}: " + (
                         "failed, " + out["error"][-600:] if "error" in out else
                         " ".join(f"{p} {v:.2f}" for p, v in seconds.items() if v is not None)))
-            entry["shapes"][shape_name] = {**summarise(framework, shape_name, runs), "runs": runs}
+            entry["shapes"][shape_name] = {**summarise(framework, shape_name, runs, vocab), "runs": runs}
     return result
 
 
@@ -215,7 +220,7 @@ def table(result: dict) -> str:
             columns = list(s["seconds"])
             lines.append(f"\n{name}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
                          f"G={s['samples_per_prompt']}, {s['prompts_per_step']} prompts a step); dedup bound "
-                         f"{s['dedup_bound']:.2f}x")
+                         f"{s['dedup_bound']:.2f}x in positions, {s['compute_bound']:.2f}x in multiply-adds")
             lines.append("| phase | " + " | ".join(columns) + " | alone / ZoRRo off | ZoRRo off / on |")
             lines.append("|---" * (len(columns) + 3) + "|")
             for phase in next(iter(s["seconds"].values()), {}):
@@ -226,8 +231,10 @@ def table(result: dict) -> str:
                 lines.append(f"{column}, the backend's share (engine calls; generation: first request to last answer): "
                              + " ".join(f"{p} {v:.2f}" for p, v in shares.items() if v is not None))
             fraction, share = s["zorro_fraction_of_bound"], s["zorro_share_of_gain"]
+            of_compute = s["zorro_fraction_of_compute_bound"]
             lines.append(f"ZoRRo off / on on log-probs + update: {_x(s['ratios']['zorro_off_over_on_update'])} "
                          f"({'-' if fraction is None else f'{fraction:.2f}'} of the bound, "
+                         f"{'-' if of_compute is None else f'{of_compute:.2f}'} of the compute bound, "
                          f"{'-' if share is None else f'{share:.2f}'} of the gain it allows); first step: "
                          + "; ".join(f"{c} loss {v['pg_loss']} grad norm {v['grad_norm']}" for c, v in s["first_step"].items()))
         if "alone_not_run" in entry:

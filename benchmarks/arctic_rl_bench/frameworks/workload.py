@@ -27,6 +27,25 @@ class Shape:
         n, p, r = self.samples_per_prompt, self.prompt_tokens, self.response_tokens
         return n * (p + r) / (p + n * r)
 
+    def compute_bound(self, model: dict, vocab: int) -> float:
+        """The same bound in multiply-adds of `model` (MODEL's keys; `vocab`: the built model's): per position its projections and MLP, per
+        (query, key) pair its attention scores and weighted values; the head only at response positions, in both.
+        Sharing computes each prompt once, but each response still attends its whole prompt, so where attention
+        weighs as much as the projections (short hidden, long prompt) this is well below `dedup_bound`."""
+        n, p, r = self.samples_per_prompt, self.prompt_tokens, self.response_tokens
+        h, mlp = model["hidden"], model["intermediate"]
+        kv = h * model["kv_heads"] // model["heads"]
+        per_position = model["layers"] * (2 * h * h + 2 * h * kv + 3 * h * mlp)
+        per_pair = model["layers"] * 2 * h
+        head = n * r * h * vocab
+
+        def causal(length: int) -> int:
+            return length * (length + 1) // 2
+
+        unshared = n * ((p + r) * per_position + causal(p + r) * per_pair) + head
+        shared = (p + n * r) * per_position + (causal(p) + n * (r * p + causal(r))) * per_pair + head
+        return unshared / shared
+
 
 SHAPES = {
     # The seed's recipe is P:R about 8:1 (32K prompts, 4K responses, G=8); this CPU takes P=1K, R=128.
@@ -35,8 +54,8 @@ SHAPES = {
     "generation-heavy": Shape(prompts_per_step=4, samples_per_prompt=8, prompt_tokens=96, response_tokens=256),
 }
 
-MODEL = {"family": "llama", "layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "vocab_size": 1024,
-         "max_positions": 2048}
+MODEL = {"family": "llama", "layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "intermediate": 512,
+         "vocab_size": 1024, "max_positions": 2048}
 """Large enough that the engines' compute, not their per-call overhead, dominates a step on two cores. The built-in
 tokenizer corpus yields 567 tokens, which caps the vocabulary below `vocab_size`."""
 
