@@ -118,6 +118,31 @@ def test_a_column_that_cannot_run_here_is_reported_with_its_reason(tmp_path):
     assert "primerl alone: not run" in text and "skyrl alone: not run" in text
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_mode_sets_every_column_and_the_alone_tuning_only_alone(tmp_path, monkeypatch, mode):
+    commands = []
+    monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
+    monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides:
+                        commands.append((fw.name, column, overrides)) or {"error": "not run here"})
+    result = bench.run(["verl", "primerl"], ["prompt-heavy"], ["alone", "zorro-off", "zorro-on"], rounds=1, steps=2,
+                       alone_overrides=["tuned=1"], work=tmp_path, log=lambda *_: None, mode=mode)
+    verl, primerl = (list(bench.FRAMEWORKS[n].modes[mode]) for n in ("verl", "primerl"))
+    assert commands == [("verl", "alone", verl + ["tuned=1"]), ("verl", "zorro-off", verl), ("verl", "zorro-on", verl),
+                        ("primerl", "zorro-off", primerl), ("primerl", "zorro-on", primerl)]
+    assert result["mode"] == mode and result["frameworks"]["verl"]["mode_settings"] == verl
+    # each framework's own asynchronous trainer, and for prime-rl its orchestrator's staleness bound either way
+    assert ("trainer.v1.trainer_mode=colocate_async" in verl) == (mode == "async")
+    assert primerl == [f"max_off_policy_steps={int(mode == 'async')}"]
+    assert "trainer.fully_async.enabled=true" in bench.FRAMEWORKS["skyrl"].modes["async"]
+
+
+def test_the_primerl_runner_takes_its_staleness_bound_and_refuses_other_settings():
+    runner = _runner("primerl_runner")
+    assert runner.off_policy_steps([]) == 1 and runner.off_policy_steps(["max_off_policy_steps=0"]) == 0
+    with pytest.raises(SystemExit, match="max_off_policy_steps=N only"):
+        runner.off_policy_steps(["batch_size=4"])
+
+
 def test_verl_runner_gives_each_step_the_backends_share_from_the_adapters_trace(tmp_path):
     trace = tmp_path / "trace.jsonl"
     records = [{"kind": "generate", "global_steps": 1, "first_arrival": 10.0, "answered": 12.0},

