@@ -161,7 +161,8 @@ def test_the_alone_patches_are_listed_with_why_and_timing_and_apply_once(monkeyp
     patches = _runner("alone/verl_alone_patches", monkeypatch)
     assert patches.APPLIED == []  # imported without verl's hook naming it: nothing applied
     rows = patches.listing()
-    assert [r["name"] for r in rows] == ["P1 cpu-platform", "P2 gloo-process-group", "P3 vllm-cpu-keep-linear-weight"]
+    assert [r["name"] for r in rows] == ["P1 cpu-platform", "P2 gloo-process-group", "P3 vllm-cpu-keep-linear-weight",
+                                         "P4 vllm-pause-keyword"]
     assert all(r["why"] and r["timing"] for r in rows)
     docs = (bench.ROOT / "docs" / "benchmarks.md").read_text()
     assert all(r["name"] in docs for r in rows)  # the bench's documentation lists every one
@@ -176,6 +177,37 @@ def test_the_alone_patches_are_listed_with_why_and_timing_and_apply_once(monkeyp
     skipped = patches.AlonePatch("P8 not here", why="a test", timing="none", needed=lambda: False,
                                  apply=lambda: calls.append("wrong"))
     assert not patches.apply(skipped) and "P8 not here" not in patches.APPLIED and calls == ["applied"]
+
+
+def test_the_pause_keyword_patch_renames_verls_argument_once_vllm_is_imported(monkeypatch, tmp_path):
+    import asyncio
+    import types
+
+    patches = _runner("alone/verl_alone_patches", monkeypatch)
+    (tmp_path / "late_engine.py").write_text(
+        "class AsyncLLM:\n"
+        "    async def pause_generation(self, *, mode='abort', clear_cache=True):\n"
+        "        return mode, clear_cache\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    finder = patches._AfterImport("late_engine", lambda module: seen.append(module) or
+                                  patches._pause_generation_takes_verls_keyword(module))
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    import late_engine  # imported later than the patch, as vLLM is in verl's server actor
+
+    assert seen == [late_engine] and finder not in sys.meta_path
+    engine = late_engine.AsyncLLM()
+    assert asyncio.run(engine.pause_generation(wait_for_inflight_requests=False, clear_cache=False)) == ("abort", False)
+    assert asyncio.run(engine.pause_generation(wait_for_inflight_requests=True)) == ("wait", True)
+    assert asyncio.run(engine.pause_generation(mode="keep")) == ("keep", True)
+
+    class Newer:  # a vLLM that takes verl's keyword is left as it is
+        async def pause_generation(self, *, wait_for_inflight_requests=True):
+            return wait_for_inflight_requests
+
+    original = Newer.pause_generation
+    patches._pause_generation_takes_verls_keyword(types.SimpleNamespace(AsyncLLM=Newer))
+    assert Newer.pause_generation is original
 
 
 def test_a_runner_reports_a_run_with_fewer_steps_than_asked_as_failed(capsys):

@@ -49,8 +49,8 @@ def metric(log: str, name: str) -> list[float]:
     return [float(v) for v in re.findall(rf"{re.escape(name)}:(-?[0-9.eE+-]+)", log)]
 
 
-def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int) -> str:
-    """The documented command `marker` on a two-line data set; verl's log."""
+def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int, *extra: str) -> str:
+    """The documented command `marker` (plus `extra` settings) on a two-line data set; verl's log."""
     write_data(folder)
     (folder / "reward.py").write_text(REWARD)
     # `python` in the documented command is verl's environment's.
@@ -59,7 +59,8 @@ def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    proc = subprocess.run(["bash", "-c", documented_command(marker)], capture_output=True, text=True,
+    command = " ".join([documented_command(marker).rstrip(), *extra])
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
                           timeout=900, env=env, cwd=folder)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
@@ -88,6 +89,22 @@ def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_pa
     for ours, theirs in zip(arctic_loss, verl_loss):
         assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
     assert metric(log, "actor/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
+
+
+def test_verls_colocated_async_trainer_trains_on_arctic_rl_off_policy(tiny_model, server, client, tmp_path):
+    """`trainer.v1.trainer_mode=colocate_async`: verl's own asynchronous trainer, the next batch sampled while the
+    backend trains. Its samples reach the update a step stale (verl's staleness, from the step of each sample's
+    oldest weights), and the loss trained is still verl's."""
+    steps = 3
+    before = client.status()["backend"]
+    log = run_documented("main_ppo", tiny_model, server, tmp_path, steps, "trainer.v1.trainer_mode=colocate_async")
+    after = client.status()["backend"]
+    assert after["optimizer_steps"] - before["optimizer_steps"] == steps
+    stale = [int(v) for v in re.findall(r"training/off_policy/trajectory_staleness/max:(?:np\.\w+\()?(\d+)", log)]
+    assert len(stale) == steps and 1 <= max(stale) <= 8, log[-3000:]  # verl's bound: 8 versions (its default)
+    verl_loss, arctic_loss = metric(log, "actor/pg_loss"), metric(log, "actor/arctic/loss")
+    assert len(arctic_loss) == steps and all(ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
+                                             for ours, theirs in zip(arctic_loss, verl_loss))
 
 
 def test_main_ppo_with_router_replay_r3_replays_every_sampled_sequence(moe_server, tmp_path):

@@ -109,6 +109,9 @@ class ArcticServer:
         """verl's rollout.n: the samples of one prompt, sent as that many requests."""
         self.global_steps: Optional[int] = None
         """verl's step whose weights the sampler holds (verl tracks sample staleness by it)."""
+        self.step_of_version: dict[int, Optional[int]] = {}
+        """verl's step of each weight version synced through verl: a sample reports the step of its oldest token's
+        weights, so verl's staleness bound counts a sample that a sync crossed (one call, no abort) from its start."""
         self.routing_replay = bool(getattr(config, "enable_rollout_routing_replay", False))
         """verl's R3: each sample returns the experts the job's sampler routed its tokens to."""
 
@@ -131,8 +134,9 @@ class ArcticServer:
                 raise ValueError("actor_rollout_ref.rollout.enable_rollout_routing_replay=True, but the Arctic RL job "
                                  "records no routes: start it with router_replay: R3 and a sampler that records them")
             routes = None if completion.routed_experts is None else completion.routed_experts.array()
+        steps = self.step_of_version.get(completion.weight_version, self.global_steps)
         return TokenOutput(token_ids=completion.token_ids, log_probs=completion.logprobs, stop_reason="completed",
-                           routed_experts=routes, extra_fields={"global_steps": self.global_steps,
+                           routed_experts=routes, extra_fields={"global_steps": steps,
                                                                 "arctic_weight_version": completion.weight_version})
 
     async def _send_batches(self):
@@ -190,8 +194,10 @@ class ArcticServer:
                          call_end=call_end, answered=time.time())
             return
 
-    async def set_global_steps(self, global_steps: int):
+    async def set_global_steps(self, global_steps: int, weight_version: Optional[int] = None):
         self.global_steps = global_steps
+        if weight_version is not None:
+            self.step_of_version[weight_version] = global_steps
 
     # verl's control plane: memory and scheduling are the backend's business.
     async def wake_up(self, tags=None):
@@ -255,7 +261,7 @@ class ArcticRolloutAdapter(BaseRollout):
         steps = kwargs.get("global_steps")
         for name in ray.util.list_named_actors():
             if name.startswith(SERVER_PREFIX):
-                await ray.get_actor(name).set_global_steps.remote(steps)
+                await ray.get_actor(name).set_global_steps.remote(steps, version)
         logger.info("arctic_rl: backend weights synced into the sampler (weight_version %d, global step %s)",
                     version, steps)
 

@@ -11,6 +11,9 @@ Self-contained on purpose: the alone column imports nothing of Arctic RL (not ev
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import inspect
 import os
 import sys
 from contextlib import contextmanager
@@ -198,6 +201,55 @@ def _vllm_cpu_keeps_linear_weights() -> None:
     method.process_weights_after_loading = process_weights_after_loading
 
 
+# -- P4: vLLM's pause_generation takes verl's keyword ---------------------------------------------------------------
+
+ASYNC_LLM = "vllm.v1.engine.async_llm"
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls `then(module)` once the module `name` is first imported in this process, by whoever imports it: verl
+    is imported before vLLM in the processes that run vLLM's AsyncLLM, and importing vLLM everywhere would change
+    the other processes."""
+
+    def __init__(self, name: str, then: Callable):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            self.then(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _pause_generation_takes_verls_keyword(module) -> None:
+    async_llm = module.AsyncLLM
+    original = async_llm.pause_generation
+    if "wait_for_inflight_requests" in inspect.signature(original).parameters:
+        return
+
+    async def pause_generation(self, *, wait_for_inflight_requests: bool | None = None, **kwargs):
+        if wait_for_inflight_requests is not None:
+            kwargs.setdefault("mode", "wait" if wait_for_inflight_requests else "abort")
+        return await original(self, **kwargs)
+
+    async_llm.pause_generation = pause_generation
+
+
+def _vllm_pause_keyword() -> None:
+    if ASYNC_LLM in sys.modules:
+        _pause_generation_takes_verls_keyword(sys.modules[ASYNC_LLM])
+    else:
+        sys.meta_path.insert(0, _AfterImport(ASYNC_LLM, _pause_generation_takes_verls_keyword))
+
+
 PATCHES = (
     AlonePatch(
         "P1 cpu-platform",
@@ -219,6 +271,13 @@ PATCHES = (
         timing="generation runs the same packed kernels; each sync re-packs from the new weights, as vLLM's own "
                "reload would; one more copy of the linear weights in memory",
         needed=_vllm_in_use_on_cpu, apply=_vllm_cpu_keeps_linear_weights),
+    AlonePatch(
+        "P4 vllm-pause-keyword",
+        why="verl 0.9.1's vLLM server pauses generation (its async trainers abort the batch in flight before a weight "
+            "update) with pause_generation(wait_for_inflight_requests=False), which vLLM 0.32 renamed to "
+            "mode='abort'; without it verl's colocate_async trainer fails at its first update",
+        timing="the same vLLM call with the argument renamed; only verl's async trainers pause generation",
+        needed=lambda: True, apply=_vllm_pause_keyword),
 )
 
 
