@@ -108,7 +108,7 @@ def test_a_failed_column_is_reported_not_averaged():
 
 def test_a_column_that_cannot_run_here_is_reported_with_its_reason(tmp_path):
     result = bench.run(["primerl", "skyrl"], ["prompt-heavy"], ["alone"], rounds=1, steps=2, alone_overrides=[],
-                       work=tmp_path, log=lambda *_: None)
+                       work=tmp_path, log=lambda *_: None, mode="async")
     # Both run through Arctic RL; alone they cannot, so asked for alone alone, nothing runs and the reasons stand.
     for name, reason in (("primerl", "flash-attn"), ("skyrl", "Python 3.12")):
         entry = result["frameworks"][name]
@@ -126,19 +126,23 @@ def test_a_mode_sets_every_column_and_the_alone_tuning_only_alone(tmp_path, monk
                         commands.append((fw.name, column, overrides)) or {"error": "not run here"})
     result = bench.run(["verl", "primerl"], ["prompt-heavy"], ["alone", "zorro-off", "zorro-on"], rounds=1, steps=2,
                        alone_overrides=["tuned=1"], work=tmp_path, log=lambda *_: None, mode=mode)
-    verl, primerl = (list(bench.FRAMEWORKS[n].modes[mode]) for n in ("verl", "primerl"))
-    assert commands == [("verl", "alone", verl + ["tuned=1"]), ("verl", "zorro-off", verl), ("verl", "zorro-on", verl),
-                        ("primerl", "zorro-off", primerl), ("primerl", "zorro-on", primerl)]
+    verl = list(bench.FRAMEWORKS["verl"].modes[mode])
+    verl_runs = [("verl", "alone", verl + ["tuned=1"]), ("verl", "zorro-off", verl), ("verl", "zorro-on", verl)]
     assert result["mode"] == mode and result["frameworks"]["verl"]["mode_settings"] == verl
-    # each framework's own asynchronous trainer, and for prime-rl its orchestrator's staleness bound either way
-    assert ("trainer.v1.trainer_mode=colocate_async" in verl) == (mode == "async")
-    assert primerl == [f"max_off_policy_steps={int(mode == 'async')}"]
+    assert ("trainer.v1.trainer_mode=colocate_async" in verl) == (mode == "async")  # verl's own async trainer
     assert "trainer.fully_async.enabled=true" in bench.FRAMEWORKS["skyrl"].modes["async"]
+    primerl = result["frameworks"]["primerl"]
+    if mode == "async":  # its orchestrator one step ahead
+        assert commands == verl_runs + [("primerl", "zorro-off", ["max_off_policy_steps=1"]),
+                                        ("primerl", "zorro-on", ["max_off_policy_steps=1"])]
+    else:  # prime-rl has no synchronous mode: nothing runs, the reason stands
+        assert commands == verl_runs and primerl["shapes"] == {} and "no synchronous mode" in primerl["mode_not_run"]
+        assert "primerl sync: not run: prime-rl 0.8's orchestrator has no synchronous mode" in bench.table(result)
 
 
 def test_the_primerl_runner_takes_its_staleness_bound_and_refuses_other_settings():
     runner = _runner("primerl_runner")
-    assert runner.off_policy_steps([]) == 1 and runner.off_policy_steps(["max_off_policy_steps=0"]) == 0
+    assert runner.off_policy_steps([]) == 1 and runner.off_policy_steps(["max_off_policy_steps=2"]) == 2
     with pytest.raises(SystemExit, match="max_off_policy_steps=N only"):
         runner.off_policy_steps(["batch_size=4"])
 
