@@ -121,6 +121,53 @@ def test_a_prefix_is_read_once_for_all_its_suffixes_without_copies():
     assert all(s[3:] == storages for s in seen)  # the prefix's K/V are views of the packed tensors
 
 
+# ATen's flash kernels take no score rule: with one, split attention runs the math primitives.
+@pytest.mark.parametrize(("backend", "feature"), [("cpu_flash", "none"), ("math", "none"), ("math", "window"), ("math", "all")])
+def test_segments_on_both_sides_of_the_own_call_length_match_reference(backend, feature):
+    """Long segments attend in calls of their own, short ones in gathered buckets: in one forest, both at once,
+    with score rules (the math primitives) and without, the result is the reference's."""
+    min_tokens = sa._OWN_CALL_MIN_TOKENS
+    lengths = [min_tokens - 1, min_tokens, 3, min_tokens + 37, 1]
+    layout = ForestLayout.groups([lengths[3], 5, min_tokens], [[lengths[0], lengths[2]], [lengths[1], 1], [2, 90, 7]])
+    own, buckets = sa._self_parts(layout, torch.device("cpu"))
+    assert own and buckets
+    assert all(e - s >= min_tokens for s, e in own)
+    assert sum(e - s for s, e in own) + sum(b.valid.sum().item() for b in buckets) == layout.num_tokens
+    kwargs = {"none": {}, "window": dict(window=40), "all": dict(window=50, softcap=3.0)}[feature]
+    H, D = 3, 8
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(H, layout.num_tokens, D, requires_grad=True) for _ in range(3))
+    dout = torch.randn(H, layout.num_tokens, D)
+    fast = split_attention(q, k, v, layout, D**-0.5, backend=backend, **kwargs)
+    ref = split_attention_reference(q, k, v, layout, D**-0.5, **kwargs)
+    assert (fast - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for gf, gr in zip(torch.autograd.grad(fast, (q, k, v), dout), torch.autograd.grad(ref, (q, k, v), dout)):
+        assert (gf - gr).norm() <= 1e-5 * gr.norm()
+
+
+def test_a_long_segment_attends_to_itself_on_views_of_the_packed_tensors():
+    """A segment of at least `_OWN_CALL_MIN_TOKENS` is handed to the primitives as a view (no gather), forward and
+    backward; a short one is gathered into a batch of its own."""
+    long, short = sa._OWN_CALL_MIN_TOKENS + 5, 4
+    layout = ForestLayout.unshared([long, short])
+    q, k, v = (torch.randn(2, long + short, 8, requires_grad=True) for _ in range(3))
+    seen = []
+
+    def recording(fn, kind):
+        def call(*args):
+            q_ = args[1] if kind == "backward" else args[0]
+            seen.append((kind, q_.shape[0], q_.shape[-2], q_.untyped_storage().data_ptr()))
+            return fn(*args)
+        return call
+
+    ops = sa.AttentionOps("recording", recording(sa.MATH.forward, "forward"), recording(sa.MATH.backward, "backward"), True)
+    sa._SplitAttention.apply(q, k, v, None, layout, 8**-0.5, ops, sa.NO_MODS).sum().backward()
+    packed = q.untyped_storage().data_ptr()
+    assert [s[:3] for s in seen] == [("forward", 1, long), ("forward", 1, short), ("backward", 1, long), ("backward", 1, short)]
+    assert seen[0][3] == seen[2][3] == packed
+    assert seen[1][3] != packed and seen[3][3] != packed
+
+
 FEATURES = {
     "window": dict(window=5),
     "window_of_one": dict(window=1),
