@@ -168,6 +168,15 @@ def test_a_long_segment_attends_to_itself_on_views_of_the_packed_tensors():
     assert seen[1][3] != packed and seen[3][3] != packed
 
 
+def test_off_the_cpu_every_segment_is_batched():
+    """On a GPU a call of one segment would leave most of it idle: there long segments are batched too."""
+    layout = ForestLayout.groups([sa._OWN_CALL_MIN_TOKENS * 3], [[sa._OWN_CALL_MIN_TOKENS, 5, sa._OWN_CALL_MIN_TOKENS + 9]])
+    own, buckets = sa._self_parts(layout, torch.device("meta"))
+    assert own == []
+    assert sum(b.n for b in buckets) == len(layout.starts)
+    assert len(sa._self_parts(layout, torch.device("cpu"))[0]) == 3
+
+
 FEATURES = {
     "window": dict(window=5),
     "window_of_one": dict(window=1),

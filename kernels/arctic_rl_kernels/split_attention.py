@@ -248,10 +248,11 @@ def select_ops(name: str, device: torch.device, dtype: torch.dtype = torch.float
     return ops if _serves(ops, mods, equal_head_dims) else MATH
 
 
-# A segment this long gets its own call on views of the packed tensors: no copy, and ATen's per-call cost (about
-# 15 us on a CPU) is small beside its work. Shorter ones are batched by length, gathered, as per-call costs would
-# dominate them (measured on a 2-core Xeon, 8 heads of 32: 64 segments of 8 tokens 0.4 ms batched, 1.0 ms one by
-# one; of 64 tokens even; of 128, 7% faster one by one, and a 1K-token prompt's gather is pure loss).
+# On a CPU, a segment this long gets its own call on views of the packed tensors: no copy, and ATen's per-call cost
+# (about 15 us) is small beside its work. Shorter ones are batched by length, gathered, as per-call costs would
+# dominate them (measured on a 2-core EPYC, 8 heads of 32: 64 segments of 8 tokens 0.4 ms batched, 1.0 ms one by
+# one; of 64 tokens even; of 128, 7% faster one by one, and a 1K-token prompt's gather is pure loss). On a GPU every
+# segment is batched: one call of a short segment's few heads would leave most of the SMs idle.
 _OWN_CALL_MIN_TOKENS = 64
 
 
@@ -272,16 +273,17 @@ class _Bucket:
 
 
 def _self_parts(layout: ForestLayout, device) -> tuple[list[tuple[int, int]], list[_Bucket]]:
-    """Every segment's causal self-attention: the long segments' (start, end), and buckets of the short ones.
+    """Every segment's causal self-attention: on a CPU the long segments' (start, end), and buckets of the rest.
     Built once per layout and device (every layer's forward and backward reads them)."""
     key = ("self", _OWN_CALL_MIN_TOKENS, str(device))
     if key in layout._tables:
         return layout._tables[key]
+    own_call_min = _OWN_CALL_MIN_TOKENS if torch.device(device).type == "cpu" else layout.num_tokens + 1
     own, buckets = [], []
     for members, _ in layout.self_buckets():
         lengths = {seg: layout.ends[seg] - layout.starts[seg] for seg in members}
-        own += [(layout.starts[seg], layout.ends[seg]) for seg in members if lengths[seg] >= _OWN_CALL_MIN_TOKENS]
-        short = [seg for seg in members if lengths[seg] < _OWN_CALL_MIN_TOKENS]
+        own += [(layout.starts[seg], layout.ends[seg]) for seg in members if lengths[seg] >= own_call_min]
+        short = [seg for seg in members if lengths[seg] < own_call_min]
         if not short:
             continue
         width = max(lengths[seg] for seg in short)
