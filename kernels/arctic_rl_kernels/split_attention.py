@@ -275,7 +275,7 @@ class _Bucket:
 def _self_parts(layout: ForestLayout, device) -> tuple[list[tuple[int, int]], list[_Bucket]]:
     """Every segment's causal self-attention: on a CPU the long segments' (start, end), and buckets of the rest.
     Built once per layout and device (every layer's forward and backward reads them)."""
-    key = ("self", _OWN_CALL_MIN_TOKENS, str(device))
+    key = ("self", str(device))
     if key in layout._tables:
         return layout._tables[key]
     own_call_min = _OWN_CALL_MIN_TOKENS if torch.device(device).type == "cpu" else layout.num_tokens + 1
@@ -342,17 +342,17 @@ def _forward_parts(q, k, v, layout: ForestLayout, scale: float, ops: AttentionOp
             out[:, qs:qe].float() * torch.exp(lse[:, qs:qe] - merged)[..., None] + o.float() * torch.exp(l - merged)[..., None]
         ).to(q.dtype)
         lse[:, qs:qe] = merged
-    return out, lse, (own, buckets)
+    return out, lse
 
 
 def _backward_parts(dout, q, k, v, out, lse, layout: ForestLayout, scale: float, ops: AttentionOps, mods: ScoreMods,
-                    pos, self_parts):
+                    pos):
     # Every part's backward is fed the merged output and LSE (sink included): that gives its exact share. The self
     # parts cover every token once, so they write the gradients; the cross parts then add theirs.
     dq = torch.empty_like(q, dtype=torch.float32)
     dk = torch.empty_like(k, dtype=torch.float32)
     dv = torch.empty_like(v, dtype=torch.float32)
-    own, buckets = self_parts
+    own, buckets = _self_parts(layout, q.device)
     for s, e in own:
         gq, gk, gv = ops.backward(dout[None, :, s:e], q[None, :, s:e], k[None, :, s:e], v[None, :, s:e],
                                   out[None, :, s:e], lse[None, :, s:e].contiguous(), True, scale, mods, None, None)
@@ -389,18 +389,18 @@ class _SplitAttention(torch.autograd.Function):
         pos = layout.positions(q.device) if mods.window is not None else None
         groups = q.shape[0] // k.shape[0]
         if isinstance(ops, ForestKernel):
-            (out, lse), self_parts = ops.forward(q, k, v, layout, scale, mods, pos), None
+            out, lse = ops.forward(q, k, v, layout, scale, mods, pos)
         else:
             # The parts' primitives take K/V per query head: repeated once here, and kept for backward.
             k, v = _repeat_heads(k, groups), _repeat_heads(v, groups)
-            out, lse, self_parts = _forward_parts(q, k, v, layout, scale, ops, mods, pos)
+            out, lse = _forward_parts(q, k, v, layout, scale, ops, mods, pos)
         if sinks is not None:
             # A sink is one more logit per head in every row's softmax, with a zero value: one more LSE merge.
             merged = torch.logaddexp(lse, sinks.float()[:, None])
             out = (out.float() * torch.exp(lse - merged)[..., None]).to(q.dtype)
             lse = merged
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.layout, ctx.scale, ctx.ops, ctx.mods, ctx.pos, ctx.self_parts = layout, scale, ops, mods, pos, self_parts
+        ctx.layout, ctx.scale, ctx.ops, ctx.mods, ctx.pos = layout, scale, ops, mods, pos
         ctx.groups = groups
         return out
 
@@ -412,7 +412,7 @@ class _SplitAttention(torch.autograd.Function):
         if isinstance(ops, ForestKernel):
             dq, dk, dv = ops.backward(dout, q, k, v, out, lse, layout, scale, mods, pos)
         else:
-            dq, dk, dv = _backward_parts(dout, q, k, v, out, lse, layout, scale, ops, mods, pos, ctx.self_parts)
+            dq, dk, dv = _backward_parts(dout, q, k, v, out, lse, layout, scale, ops, mods, pos)
             dk, dv = _sum_heads(dk, ctx.groups), _sum_heads(dv, ctx.groups)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
