@@ -22,16 +22,20 @@ import pytest
 from compat_tests.main_server import free_port, serving
 
 STEPS = 6
+LEARNING_STEPS = 10
+"""The runs that check the reward rises. It rises about 0.05 a step from the fourth (runs in docs/benchmarks.md) and
+one step's mean over 32 samples moves by about 0.08, so six steps left a run beside CI's other lane flat: ten give
+the last three steps a margin of several standard deviations over the first three."""
 LEARNING_RATE = 2e-2
-"""High for the tiny model: the letters' share rises within the six steps (measured: docs/benchmarks.md)."""
+"""High for the tiny model, so that the letters' share rises within those steps."""
 RUN_TIMEOUT_S = 600
 BIN = Path(sys.executable).parent
 
 
-def _configs(work: Path, model: str, url: str, transport: str, replay: bool) -> dict[str, Path]:
+def _configs(work: Path, model: str, url: str, transport: str, replay: bool, steps: int) -> dict[str, Path]:
     """The three TOMLs: the env server's, the orchestrator's (no [trainer], no [inference]) and the trainer's."""
     out, env_address = work / "run", f"tcp://127.0.0.1:{free_port()}"
-    shared = (f'output_dir = "{out}"\nmax_steps = {STEPS}\n[model]\nname = "{model}"\n'
+    shared = (f'output_dir = "{out}"\nmax_steps = {steps}\n[model]\nname = "{model}"\n'
               f'[rollout_transport]\ntype = "{transport}"\n' + (f"port = {free_port()}\n" if transport == "zmq" else ""))
     env = '[env.taskset]\nid = "arctic_letters"\n[env.agent.runtime]\ntype = "subprocess"\n'
     texts = {
@@ -57,9 +61,9 @@ def _configs(work: Path, model: str, url: str, transport: str, replay: bool) -> 
     return paths
 
 
-def _run(work: Path, model: str, url: str, transport: str, replay: bool = False) -> dict[str, int]:
+def _run(work: Path, model: str, url: str, transport: str, steps: int, replay: bool = False) -> dict[str, int]:
     """The env server, the orchestrator and the trainer until the last two end; each one's exit code."""
-    configs = _configs(work, model, url, transport, replay)
+    configs = _configs(work, model, url, transport, replay, steps)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.getcwd()])}
     commands = {"env": [BIN / "env-server", "@", configs["env"]],
@@ -86,7 +90,7 @@ def _run(work: Path, model: str, url: str, transport: str, replay: bool = False)
 
 @pytest.mark.parametrize("transport, sampler", [("zmq", "vllm"), ("filesystem", "transformers")])
 def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, sampler, tiny_model, tmp_path):
-    """Six steps: every batch reaches the trainer on the transport, every step's weights land through STABLE and
+    """Ten steps: every batch reaches the trainer on the transport, every step's weights land through STABLE and
     the orchestrator's `/update_weights`, the orchestrator's reward rises, and ZoRRo computes each shared prompt
     once (the trainer's log). With vLLM sampling, the orchestrator sizes its concurrency from the server's
     /metrics (KV cache capacity and load, under vLLM's names)."""
@@ -94,26 +98,30 @@ def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, sampler, tin
     (tmp_path / "server").mkdir()
     job = {"model_path": tiny_model, "engine": engine, "sampler": {"name": sampler, "kv_cache_mb": 64}}
     with serving(job, tmp_path / "server") as url:
-        codes = _run(tmp_path, tiny_model, url, transport)
+        codes = _run(tmp_path, tiny_model, url, transport, LEARNING_STEPS)
     logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}
     assert codes == {"orchestrator": 0, "trainer": 0}, (codes, logs["orchestrator"][-3000:], logs["trainer"][-3000:])
 
     run = tmp_path / "run"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "train/agg/all/agent/reward/mean" in m]
-    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    assert [m["step"] for m in steps] == list(range(1, LEARNING_STEPS + 1))
     # prime-rl counts each error's type (`.../error/<type>`) and logs each failed trace's error.
     errors = [{k: v for k, v in m.items() if k.startswith("train/agg/all/error/")} for m in steps]
     failed = [line for line in logs["orchestrator"].splitlines() if "Trace failed" in line or "Empty trajectory" in line]
     assert all(m["train/agg/all/has_error/mean"] == 0 for m in steps), (errors, failed[:10])
     rewards = [m["train/agg/all/agent/reward/mean"] for m in steps]
-    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.02, rewards
+    # Measured over ten steps: the first three's mean 0.43-0.47, the last three's 0.76-0.91 (docs/benchmarks.md). On
+    # a failure, how far off-policy each step trained and which versions the orchestrator loaded say why.
+    staleness = [m.get("off_policy/mean") for m in steps]
+    loads = re.findall(r"Updating policy in-flight to v\d+", logs["orchestrator"])
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, (rewards, staleness, loads)
 
     records = [json.loads(line) for line in (run / "arctic_rl_trainer.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    assert [r["weight_version"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, LEARNING_STEPS + 1))
+    assert [r["weight_version"] for r in records] == list(range(1, LEARNING_STEPS + 1))
     assert all(r["samples"] == 32 and r["computed_tokens"] < r["unshared_tokens"] for r in records), records
-    assert all((run / "broadcasts" / f"step_{n}" / "STABLE").exists() for n in range(STEPS + 1))
+    assert all((run / "broadcasts" / f"step_{n}" / "STABLE").exists() for n in range(LEARNING_STEPS + 1))
     # The orchestrator's weight watcher saw each version and asked the server to load it (prime-rl logs it).
     assert "Updating policy in-flight to v" in logs["orchestrator"]
     if sampler == "vllm":
@@ -122,7 +130,7 @@ def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, sampler, tin
         derived = re.search(r"Derived initial max inflight (\d+)", logs["orchestrator"])
         assert derived and int(derived.group(1)) > 1, logs["orchestrator"][-3000:]
     sent = sorted(p.name for p in (run / "rollouts").glob("step_*/rank_0.bin")) if (run / "rollouts").exists() else []
-    assert (len(sent) == STEPS) if transport == "filesystem" else sent == []
+    assert (len(sent) == LEARNING_STEPS) if transport == "filesystem" else sent == []
 
 
 def test_prime_rls_orchestrator_and_trainer_with_router_replay_on_a_tiny_moe(tmp_path):
@@ -136,7 +144,7 @@ def test_prime_rls_orchestrator_and_trainer_with_router_replay_on_a_tiny_moe(tmp
     (tmp_path / "server").mkdir()
     job = {"model_path": model, "engine": engine, "sampler": {"name": "transformers"}, "router_replay": "R3"}
     with serving(job, tmp_path / "server") as url:
-        codes = _run(tmp_path, model, url, "filesystem", replay=True)
+        codes = _run(tmp_path, model, url, "filesystem", STEPS, replay=True)
     logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}
     assert codes == {"orchestrator": 0, "trainer": 0}, (codes, logs["orchestrator"][-3000:], logs["trainer"][-3000:])
     records = [json.loads(line) for line in (tmp_path / "run" / "arctic_rl_trainer.jsonl").read_text().splitlines()]
