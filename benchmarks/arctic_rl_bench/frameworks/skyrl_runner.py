@@ -1,16 +1,20 @@
 """One column of `bench frameworks` for SkyRL 0.4: its documented GRPO (`python -m skyrl.train.entrypoints.main_base`,
-docs/skyrl.md) for S steps through Arctic RL, in SkyRL's compat environment; prints one JSON line per run.
+docs/skyrl.md) for S steps, alone (its FSDP2 worker and its own vLLM servers, in .cache/bench-skyrl-alone-venv, with
+the runtime patches of alone/skyrl_alone_patches.py) or through Arctic RL (in SkyRL's compat environment); prints one
+JSON line per run.
 
-SkyRL alone is not run (bench.py says why). The reward is SkyRL-Gym's gsm8k environment (`#### n` holding the
-answer), which a random model rarely earns: the columns compare the engines' time on the same work, and the
-losses are near zero.
+The reward is SkyRL-Gym's gsm8k environment (`#### n` holding the answer), which a random model rarely earns: the
+columns compare the engines' time on the same work, and the losses are near zero.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,27 +32,68 @@ METRICS = {"pg_loss": "policy/final_loss", "grad_norm": "policy/grad_norm", "rew
            "response_length": "generate/avg_num_tokens", "staleness": "async/staleness_mean"}
 
 
-def command(url: str, model: str, folder: str, shape, steps: int) -> list[str]:
+def algorithm(model: str, folder: str, shape, steps: int) -> list[str]:
+    """SkyRL's GRPO as every column runs it: one update a step, the bench's optimizer, no KL."""
     return [
-        sys.executable, "-m", "skyrl.train.entrypoints.main_base",
-        "trainer.override_entrypoint=arctic_rl_skyrl.entrypoint", f"trainer.arctic_rl.url={url}",
-        "generator.inference_engine.run_engines_locally=false",
-        f"generator.inference_engine.external_proxy_url={url}",
-        "generator.inference_engine.enable_ray_prometheus_stats=false", "trainer.placement.colocate_all=false",
         f"trainer.policy.model.path={model}", f"data.train_data=['{folder}/train.parquet']",
         f"data.val_data=['{folder}/train.parquet']", "environment.env_class=gsm8k",
         "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=false",
         f"generator.n_samples_per_prompt={shape.samples_per_prompt}",
         f"trainer.train_batch_size={shape.prompts_per_step}",
         f"trainer.policy_mini_batch_size={shape.prompts_per_step}",  # one update per step, as in verl's columns
-        f"trainer.micro_train_batch_size_per_gpu={shape.prompts_per_step * shape.samples_per_prompt}",
-        f"trainer.micro_forward_batch_size_per_gpu={shape.prompts_per_step * shape.samples_per_prompt}",
         f"generator.sampling_params.max_generate_length={shape.response_tokens}",
         f"trainer.max_prompt_length={shape.prompt_tokens + 16}", "trainer.policy.optimizer_config.lr=1e-5",
         "trainer.epochs=1", f"trainer.max_training_steps={steps}", "trainer.eval_before_train=false",
         "trainer.eval_interval=-1", "trainer.ckpt_interval=-1", "trainer.logger=tensorboard",
+        "generator.inference_engine.enable_ray_prometheus_stats=false", "trainer.placement.colocate_all=false",
         f"trainer.export_path={folder}/export", f"trainer.ckpt_path={folder}/ckpt", f"trainer.log_path={folder}/logs",
     ]
+
+
+def micro_batches(shape) -> list[str]:
+    batch = shape.prompts_per_step * shape.samples_per_prompt  # one micro-batch: fewer, larger matmuls
+    return [f"trainer.micro_train_batch_size_per_gpu={batch}", f"trainer.micro_forward_batch_size_per_gpu={batch}"]
+
+
+def through_arctic(url: str, shape) -> list[str]:
+    return ["trainer.override_entrypoint=arctic_rl_skyrl.entrypoint", f"trainer.arctic_rl.url={url}",
+            "generator.inference_engine.run_engines_locally=false",
+            f"generator.inference_engine.external_proxy_url={url}", *micro_batches(shape)]
+
+
+ALONE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone")
+
+
+def alone(shape, folder: str, threads: int) -> tuple[list[str], dict]:
+    """SkyRL's own FSDP2 worker and vLLM server on a CPU: the settings it needs to run here (each says why), then the
+    tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
+    that loads the runtime patches in every process."""
+    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ALONE, "skyrl_site"), ALONE]),
+           "OMP_NUM_THREADS": str(threads),  # Ray would start each worker with one thread
+           "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: more than a step's samples take
+    needed = [
+        "generator.inference_engine.run_engines_locally=true", "generator.inference_engine.num_engines=1",
+        "generator.inference_engine.tensor_parallel_size=1",
+        # NCCL and CUDA IPC need GPUs: SkyRL's own disk path (checkpoint deltas) syncs the weights instead.
+        "generator.inference_engine.weight_sync_backend=delta",
+        f"generator.inference_engine.delta_weight_sync.sync_dir={folder}/delta",
+        # vLLM's Ray executor asks Ray for GPU bundles; one engine of one rank runs in processes of its own instead,
+        # on vLLM's CPU worker (SkyRL names the GPU worker where vLLM would choose).
+        "generator.inference_engine.distributed_executor_backend=mp",
+        "generator.inference_engine.engine_init_kwargs.worker_cls=vllm.v1.worker.cpu_worker.CPUWorker",
+        "generator.inference_engine.enforce_eager=true", "generator.inference_engine.model_dtype=float32",
+        "generator.inference_engine.gpu_memory_utilization=0.05",
+        "trainer.strategy=fsdp2", "trainer.flash_attn=false",  # SDPA: flash-attention has no CPU build,
+        "trainer.remove_microbatch_padding=false",  # and padding removal needs it
+    ]
+    tuned = [
+        "trainer.gradient_checkpointing=false",  # memory is plenty: recomputing costs time
+        "trainer.bf16=false",
+        # fp32 compute: FSDP2's default mixed precision computes in bf16, which this CPU has no fast path for.
+        "trainer.policy.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
+        *micro_batches(shape),
+    ]
+    return needed + tuned, env
 
 
 def write_dataset(folder: str, model: str, shape) -> dict:
@@ -80,17 +125,49 @@ def steps_from(tensorboard: str) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def patches_in_effect(folder: str, log: str) -> list[str]:
+    """What the alone patches printed, from SkyRL's log and its workers' (under trainer.log_path)."""
+    texts = [log]
+    logs = os.path.join(folder, "logs")
+    for name in sorted(os.listdir(logs)) if os.path.isdir(logs) else []:
+        with open(os.path.join(logs, name), errors="replace") as f:
+            texts.append(f.read())
+    return sorted({m for text in texts for m in re.findall(r"\[skyrl-alone patches\] pid=\d+ in effect: (.+)", text)})
+
+
 def main() -> int:
-    args = runner_parser(__doc__.split("\n")[0]).parse_args()
+    parser = runner_parser(__doc__.split("\n")[0], ("alone", "arctic"))
+    parser.add_argument("--threads", type=int, default=os.cpu_count(),
+                        help="alone: OMP_NUM_THREADS for SkyRL's Ray workers (Ray's default is 1)")
+    args = parser.parse_args()
 
     shape = shape_from_json(args.shape)
     os.makedirs(args.work, exist_ok=True)
     lengths = write_dataset(args.work, args.model, shape)
-    argv = command(args.url, args.model, args.work, shape, args.steps) + args.override
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "TENSORBOARD_DIR": os.path.join(args.work, "tb")}
+    if args.column == "arctic":
+        backend = through_arctic(args.url, shape)
+    else:
+        backend, alone_env = alone(shape, args.work, args.threads)
+        env.update(alone_env)
+        # A Ray cluster of its own, which SkyRL joins: two logical GPUs (its policy worker's placement group and its
+        # vLLM server ask Ray for one each), in a short folder (AF_UNIX's 107 bytes bound its socket paths).
+        ray_tmp = tempfile.mkdtemp(prefix="ray-alone-")
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        subprocess.run([ray, "start", "--head", "--num-cpus", "16", "--num-gpus", "2", "--temp-dir", ray_tmp,
+                        "--include-dashboard", "false", "--disable-usage-stats"], env=env, check=True,
+                       capture_output=True)
+        env["RAY_ADDRESS"] = "auto"
+    argv = [sys.executable, "-m", "skyrl.train.entrypoints.main_base", *backend,
+            *algorithm(args.model, args.work, shape, args.steps), *args.override]
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=args.work)
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=args.work)
+    finally:
+        if args.column == "alone":
+            subprocess.run([ray, "stop", "--force"], env=env, capture_output=True)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
     wall = time.perf_counter() - t0
     log = proc.stdout + proc.stderr
     with open(os.path.join(args.work, "skyrl.log"), "w") as f:
@@ -98,6 +175,8 @@ def main() -> int:
     steps = steps_from(os.path.join(args.work, "tb")) if proc.returncode == 0 else []
     result = {"framework": "skyrl", "column": args.column, "returncode": proc.returncode, "wall_s": wall,
               "steps": steps, "command": argv[1:], **lengths}
+    if args.column == "alone":
+        result["patches_applied"] = patches_in_effect(args.work, log)
     return report(result, log, args.steps)
 
 

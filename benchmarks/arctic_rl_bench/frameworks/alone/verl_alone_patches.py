@@ -11,49 +11,13 @@ Self-contained on purpose: the alone column imports nothing of Arctic RL (not ev
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import inspect
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable
 
-
-@dataclass(frozen=True)
-class AlonePatch:
-    name: str
-    why: str
-    timing: str
-    """Why the phases the bench times are not changed by it."""
-    needed: Callable[[], bool]
-    """Whether this process needs it (no GPU; the module it patches is in use here)."""
-    apply: Callable[[], None]
-
-
-class AppliedTwice(RuntimeError):
-    pass
-
-
-APPLIED: list[str] = []
-
-
-def apply(patch: AlonePatch) -> bool:
-    """Apply `patch` where this process needs it; False where it does not. A second application raises."""
-    if patch.name in APPLIED:
-        raise AppliedTwice(f"the alone patch {patch.name!r} is already applied in this process")
-    if not patch.needed():
-        return False
-    patch.apply()
-    APPLIED.append(patch.name)
-    return True
-
-
-def _no_gpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
+import alone_patching
+from alone_patching import APPLIED, AfterImport, AlonePatch, AppliedTwice, apply, no_gpu  # noqa: F401 (the API)
 
 
 # -- P1: a CPU platform --------------------------------------------------------------------------------------
@@ -183,7 +147,7 @@ def _gloo_process_group() -> None:
 
 def _vllm_in_use_on_cpu() -> bool:
     # Only in vLLM's own processes (they import vllm before verl's worker extension imports verl).
-    return "vllm" in sys.modules and _no_gpu()
+    return "vllm" in sys.modules and no_gpu()
 
 
 def _vllm_cpu_keeps_linear_weights() -> None:
@@ -206,29 +170,6 @@ def _vllm_cpu_keeps_linear_weights() -> None:
 ASYNC_LLM = "vllm.v1.engine.async_llm"
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls `then(module)` once the module `name` is first imported in this process, by whoever imports it: verl
-    is imported before vLLM in the processes that run vLLM's AsyncLLM, and importing vLLM everywhere would change
-    the other processes."""
-
-    def __init__(self, name: str, then: Callable):
-        self.name, self.then = name, then
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            self.then(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def _pause_generation_takes_verls_keyword(module) -> None:
     async_llm = module.AsyncLLM
     original = async_llm.pause_generation
@@ -247,7 +188,7 @@ def _vllm_pause_keyword() -> None:
     if ASYNC_LLM in sys.modules:
         _pause_generation_takes_verls_keyword(sys.modules[ASYNC_LLM])
     else:
-        sys.meta_path.insert(0, _AfterImport(ASYNC_LLM, _pause_generation_takes_verls_keyword))
+        sys.meta_path.insert(0, AfterImport(ASYNC_LLM, _pause_generation_takes_verls_keyword))
 
 
 PATCHES = (
@@ -257,13 +198,13 @@ PATCHES = (
             "device 'cuda'); its auto_set_device rewrites trainer.device=cpu to cuda unless the platform says cpu",
         timing="its sync and cache calls do nothing, as there is nothing to wait for on a CPU; reporting no IPC sends "
                "verl's weight sync down verl's own shared-memory path (one more copy per bucket than CUDA IPC)",
-        needed=_no_gpu, apply=_cpu_platform),
+        needed=no_gpu, apply=_cpu_platform),
     AlonePatch(
         "P2 gloo-process-group",
         why="verl builds the backend 'cpu:gloo,cpu:gloo' on a CPU platform, which torch refuses; plain 'gloo' is the "
             "same backend for CPU tensors",
         timing="called once when a worker starts; one FSDP rank has no collectives on the hot path",
-        needed=_no_gpu, apply=_gloo_process_group),
+        needed=no_gpu, apply=_gloo_process_group),
     AlonePatch(
         "P3 vllm-cpu-keep-linear-weight",
         why="vLLM-CPU packs each linear weight for its GEMM kernels and drops the Parameter, so verl's weight sync "
@@ -282,7 +223,7 @@ PATCHES = (
 
 
 def listing() -> list[dict[str, str]]:
-    return [{"name": p.name, "why": p.why, "timing": p.timing} for p in PATCHES]
+    return alone_patching.listing(PATCHES)
 
 
 if __name__ != "__main__" and os.environ.get("VERL_USE_EXTERNAL_MODULES") == __name__:
