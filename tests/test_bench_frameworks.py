@@ -223,3 +223,113 @@ def test_a_runner_reports_a_run_with_fewer_steps_than_asked_as_failed(capsys):
     assert report({"returncode": 0, "steps": [{"step": 1}]}, "...the log's tail", steps_wanted=2) == 1
     lines = capsys.readouterr().out.splitlines()
     assert "error" not in json.loads(lines[0]) and json.loads(lines[1])["error"] == "...the log's tail"
+
+
+def test_an_import_hook_for_a_module_already_hooked_fires_too(monkeypatch, tmp_path):
+    """Two patches waiting for the same module both take effect, before it runs (the import system walks
+    sys.meta_path as a list: a hook that removed itself there made it skip the next one)."""
+    patching = _runner("alone/alone_patching", monkeypatch)
+    (tmp_path / "hooked_twice.py").write_text("import events\nevents.seen.append('module')\n")
+    (tmp_path / "events.py").write_text("seen = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import events
+
+    hooks = [patching.BeforeImport("hooked_twice", lambda i=i: events.seen.append(f"hook {i}")) for i in (1, 2)]
+    monkeypatch.setattr(sys, "meta_path", [*reversed(hooks), *sys.meta_path])
+    import hooked_twice  # noqa: F401
+
+    assert events.seen == ["hook 2", "hook 1", "module"]
+    monkeypatch.delitem(sys.modules, "hooked_twice")
+    import hooked_twice  # noqa: F401,F811 (a second import runs no hook again)
+
+    assert events.seen == ["hook 2", "hook 1", "module", "module"]
+
+
+def test_skyrls_alone_patches_are_listed_documented_and_apply_once(monkeypatch):
+    patches = _runner("alone/skyrl_alone_patches", monkeypatch)
+    rows = patches.listing()
+    assert [r["name"] for r in rows] == ["S1 flash-attn-import", "S2 vllm-router-pd-flag", "S3 cuda-calls-on-cpu",
+                                         "S4 gloo-process-group"]
+    assert all(r["why"] and r["timing"] for r in rows)
+    docs = (bench.ROOT / "docs" / "benchmarks.md").read_text()
+    assert all(r["name"] in docs for r in rows)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hooks apply_all installs stay in this test
+    patches.apply_all()
+    assert patches.APPLIED == [r["name"] for r in rows]
+    with pytest.raises(patches.AppliedTwice):
+        patches.apply_all()
+
+
+def test_skyrls_model_wrapper_alone_gets_a_flash_attn_that_refuses_to_run(monkeypatch):
+    patches = _runner("alone/skyrl_alone_patches", monkeypatch)
+    finder = patches.FlashAttnForModelWrapper()
+    for name in ("flash_attn", "flash_attn.bert_padding"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, finder])
+    assert finder.find_spec("flash_attn", None) is None  # asked by anyone else (transformers): not installed
+    wrapper = {"__name__": patches.MODEL_WRAPPER}
+    exec("from flash_attn.bert_padding import pad_input, unpad_input", wrapper)
+    with pytest.raises(RuntimeError, match="padding removal is off"):
+        wrapper["unpad_input"]()
+    for name in ("flash_attn", "flash_attn.bert_padding"):
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_skyrls_router_arguments_get_the_flag_skyrl_reads_only_where_missing(monkeypatch):
+    import types
+
+    patches = _runner("alone/skyrl_alone_patches", monkeypatch)
+
+    class Old:  # vllm-router 0.1.17
+        vllm_pd_disaggregation = False
+
+    class New:
+        pd_disaggregation = True
+
+    for cls, expected in ((Old, False), (New, True)):
+        patches._router_args_without_pd(types.SimpleNamespace(RouterArgs=cls))
+        assert cls.pd_disaggregation is expected
+
+
+def test_skyrls_cuda_calls_answer_for_the_cpu_in_a_worker_process(tmp_path):
+    """In a process of its own (they change torch for the whole process, as in SkyRL's worker): tensors stay on the
+    CPU, a 'cuda' device mesh is a CPU one over gloo, and the sync and memory calls answer."""
+    import subprocess
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(bench.HERE / 'alone')!r})\n"
+        "import skyrl_alone_patches as p\n"
+        "p.cuda_calls_on_the_cpu(); p.gloo_process_group()\n"
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29400 + os.getpid() % 500), RANK='0', WORLD_SIZE='1')\n"
+        "dist.init_process_group(backend='cpu:gloo,cuda:nccl')\n"
+        "mesh = init_device_mesh('cuda', (1,))\n"
+        "torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.set_device(0)\n"
+        "print(dist.get_backend(), mesh.device_type, torch.ones(2).cuda().device.type,\n"
+        "      torch.ones(1).to(torch.cuda.current_device()).device.type, torch.cuda.memory_allocated(),\n"
+        "      torch.cuda.mem_get_info()[1] > 0, torch.cuda.is_available())\n")
+    out = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["gloo", "cpu", "cpu", "cpu", "0", "True", "False"]
+    assert "in effect: S3 cuda-calls-on-cpu" in out.stderr and "in effect: S4 gloo-process-group" in out.stderr
+
+
+def test_skyrl_runner_runs_alone_on_skyrls_own_engines_and_collects_what_the_patches_did(tmp_path):
+    runner = _runner("skyrl_runner")
+    shape = SHAPES["prompt-heavy"]
+    settings, env = runner.alone(shape, str(tmp_path), threads=2)
+    assert "generator.inference_engine.run_engines_locally=true" in settings
+    assert "generator.inference_engine.weight_sync_backend=delta" in settings and "trainer.strategy=fsdp2" in settings
+    # Nothing of the adapter: SkyRL's own entry point and engines, no Arctic RL setting or variable.
+    assert not any(s.startswith(("trainer.arctic_rl", "trainer.override_entrypoint")) for s in settings)
+    assert not any(key.startswith("ARCTIC") for key in env)
+    assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONPATH"].split(":")[0].endswith("alone/skyrl_site")
+    assert runner.micro_batches(shape)[0] in settings and runner.micro_batches(shape)[0] in runner.through_arctic(
+        "http://127.0.0.1:1", shape)  # the same micro-batches in every column
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "infra.log").write_text("x [skyrl-alone patches] pid=7 in effect: S3 cuda-calls-on-cpu\n")
+    log = "(pid=5) [skyrl-alone patches] pid=5 in effect: S1 flash-attn-import\n"
+    assert runner.patches_in_effect(str(tmp_path), log) == ["S1 flash-attn-import", "S3 cuda-calls-on-cpu"]

@@ -135,6 +135,7 @@ def cuda_calls_on_the_cpu() -> None:
 
     device_mesh.init_device_mesh = init_cpu_device_mesh
     _took_effect("S3 cuda-calls-on-cpu")
+    print(f"{TAG} pid={os.getpid()} torch threads: {torch.get_num_threads()}", file=sys.stderr, flush=True)
 
 
 def _cuda_calls_on_the_cpu() -> None:
