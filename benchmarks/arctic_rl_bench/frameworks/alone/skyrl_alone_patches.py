@@ -82,7 +82,7 @@ def _router_pd_flag() -> None:
         sys.meta_path.insert(0, AfterImport(ROUTER_ARGS, _router_args_without_pd))
 
 
-# -- S3: torch.cuda's calls in the trainer's worker, answered for the CPU ------------------------------------------
+# -- S3: torch.cuda's calls in SkyRL's worker processes, answered for the CPU ------------------------------------------
 
 def cuda_calls_on_the_cpu() -> None:
     """What SkyRL's FSDP worker asks of torch.cuda, answered for the CPU. Each replacement is a function of its own:
@@ -183,8 +183,8 @@ PATCHES = (
     AlonePatch(
         "S3 cuda-calls-on-cpu",
         why="SkyRL's FSDP worker places tensors on torch.cuda.current_device(), builds its device meshes for 'cuda' "
-            "and calls torch.cuda's sync, cache and memory functions, with no CPU path; in its worker processes "
-            "only, those calls answer for the CPU",
+            "and calls torch.cuda's sync, cache and memory functions, with no CPU path; in the processes that import "
+            "SkyRL's workers (its entry point's and the workers'), not vLLM's, those calls answer for the CPU",
         timing="the sync, cache and memory calls do nothing on a CPU (nothing to wait for or free); tensors stay "
                "where they are, on the CPU",
         needed=_always, apply=_cuda_calls_on_the_cpu),
