@@ -319,16 +319,15 @@ def test_skyrls_cuda_calls_answer_for_the_cpu_in_a_worker_process(tmp_path):
 
 def test_skyrl_runner_runs_alone_on_skyrls_own_engines_and_collects_what_the_patches_did(tmp_path):
     runner = _runner("skyrl_runner")
-    shape = SHAPES["prompt-heavy"]
-    settings, env = runner.alone(shape, str(tmp_path), threads=2)
+    settings, env = runner.alone(str(tmp_path), threads=2)
     assert "generator.inference_engine.run_engines_locally=true" in settings
     assert "generator.inference_engine.weight_sync_backend=delta" in settings and "trainer.strategy=fsdp2" in settings
     # Nothing of the adapter: SkyRL's own entry point and engines, no Arctic RL setting or variable.
     assert not any(s.startswith(("trainer.arctic_rl", "trainer.override_entrypoint")) for s in settings)
     assert not any(key.startswith("ARCTIC") for key in env)
     assert env["OMP_NUM_THREADS"] == "2" and env["PYTHONPATH"].split(":")[0].endswith("alone/skyrl_site")
-    assert runner.micro_batches(shape)[0] in settings and runner.micro_batches(shape)[0] in runner.through_arctic(
-        "http://127.0.0.1:1", shape)  # the same micro-batches in every column
+    # The same micro-batches in every column: SkyRL's default, set by neither.
+    assert not any("_batch_size_per_gpu" in s for s in settings + runner.through_arctic("http://127.0.0.1:1"))
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "infra.log").write_text("x [skyrl-alone patches] pid=7 in effect: S3 cuda-calls-on-cpu\n")
     log = "(pid=5) [skyrl-alone patches] pid=5 in effect: S1 flash-attn-import\n"

@@ -50,21 +50,16 @@ def algorithm(model: str, folder: str, shape, steps: int) -> list[str]:
     ]
 
 
-def micro_batches(shape) -> list[str]:
-    batch = shape.prompts_per_step * shape.samples_per_prompt  # one micro-batch: fewer, larger matmuls
-    return [f"trainer.micro_train_batch_size_per_gpu={batch}", f"trainer.micro_forward_batch_size_per_gpu={batch}"]
-
-
-def through_arctic(url: str, shape) -> list[str]:
+def through_arctic(url: str) -> list[str]:
     return ["trainer.override_entrypoint=arctic_rl_skyrl.entrypoint", f"trainer.arctic_rl.url={url}",
             "generator.inference_engine.run_engines_locally=false",
-            f"generator.inference_engine.external_proxy_url={url}", *micro_batches(shape)]
+            f"generator.inference_engine.external_proxy_url={url}"]
 
 
 ALONE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone")
 
 
-def alone(shape, folder: str, threads: int) -> tuple[list[str], dict]:
+def alone(folder: str, threads: int) -> tuple[list[str], dict]:
     """SkyRL's own FSDP2 worker and vLLM server on a CPU: the settings it needs to run here (each says why), then the
     tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
     that loads the runtime patches in every process."""
@@ -91,7 +86,8 @@ def alone(shape, folder: str, threads: int) -> tuple[list[str], dict]:
         "trainer.bf16=false",
         # fp32 compute: FSDP2's default mixed precision computes in bf16, which this CPU has no fast path for.
         "trainer.policy.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
-        *micro_batches(shape),
+        # Micro-batches stay at SkyRL's default, one sample each: one micro-batch of the step's 32 samples measured
+        # slower here (its padding mask and activations leave the caches).
     ]
     return needed + tuned, env
 
@@ -147,9 +143,9 @@ def main() -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "TENSORBOARD_DIR": os.path.join(args.work, "tb")}
     if args.column == "arctic":
-        backend = through_arctic(args.url, shape)
+        backend = through_arctic(args.url)
     else:
-        backend, alone_env = alone(shape, args.work, args.threads)
+        backend, alone_env = alone(args.work, args.threads)
         env.update(alone_env)
         # A Ray cluster of its own, which SkyRL joins: two logical GPUs (its policy worker's placement group and its
         # vLLM server ask Ray for one each), in a short folder (AF_UNIX's 107 bytes bound its socket paths).
