@@ -84,7 +84,8 @@ def alone(folder: str, threads: int) -> tuple[list[str], dict]:
     tuned = [
         "trainer.gradient_checkpointing=false",  # memory is plenty: recomputing costs time
         "trainer.bf16=false",
-        # fp32 compute: FSDP2's default mixed precision computes in bf16, which this CPU has no fast path for.
+        # fp32 compute, as the columns through Arctic RL compute (the job's dtype): FSDP2's default mixed precision
+        # computes in bf16 (what that gains where the CPU has fast bf16: docs/benchmarks.md).
         "trainer.policy.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
         # Micro-batches stay at SkyRL's default, one sample each: one micro-batch of the step's 32 samples measured
         # slower here (its padding mask and activations leave the caches).
