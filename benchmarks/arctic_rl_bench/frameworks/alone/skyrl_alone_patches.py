@@ -5,8 +5,8 @@ SkyRL has no hook that loads a module in every process (verl has `VERL_USE_EXTER
 skyrl_runner.py puts `skyrl_site/` (whose `sitecustomize` calls `apply_all`) and this folder on PYTHONPATH, which
 Ray's workers and vLLM's processes inherit. A patch of one of SkyRL's or torch's modules waits for that module's
 first import in a process (alone_patching), so that no process loads what it would not have loaded. Each patch says
-why it is needed and why it does not change what the bench times; each process prints what it applied, and the
-trainer's worker prints when its patches take effect (the runner keeps the lines).
+why it is needed and why it does not change what the bench times; each process prints each patch that takes
+effect in it, and the worker its torch threads (the runner keeps the lines).
 
 Self-contained on purpose: the alone column imports nothing of Arctic RL.
 """
