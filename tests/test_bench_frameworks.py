@@ -124,7 +124,7 @@ def test_a_column_that_cannot_run_here_is_reported_with_its_reason(tmp_path):
 def test_a_mode_sets_every_column_and_the_alone_tuning_only_alone(tmp_path, monkeypatch, mode):
     commands = []
     monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
-    monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides:
+    monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides, dtype:
                         commands.append((fw.name, column, overrides)) or {"error": "not run here"})
     result = bench.run(["verl", "primerl"], ["prompt-heavy"], ["alone", "zorro-off", "zorro-on"], rounds=1, steps=2,
                        alone_overrides=["tuned=1"], work=tmp_path, log=lambda *_: None, mode=mode)
@@ -332,3 +332,30 @@ def test_skyrl_runner_runs_alone_on_skyrls_own_engines_and_collects_what_the_pat
     (tmp_path / "logs" / "infra.log").write_text("x [skyrl-alone patches] pid=7 in effect: S3 cuda-calls-on-cpu\n")
     log = "(pid=5) [skyrl-alone patches] pid=5 in effect: S1 flash-attn-import\n"
     assert runner.patches_in_effect(str(tmp_path), log) == ["S1 flash-attn-import", "S3 cuda-calls-on-cpu"]
+
+
+def test_a_dtype_trains_every_column_in_it_and_generation_stays_fp32(tmp_path, monkeypatch):
+    runner = _runner("skyrl_runner")
+    fp32, _ = runner.alone(str(tmp_path), threads=2)
+    bf16, _ = runner.alone(str(tmp_path), threads=2, dtype="bfloat16")
+    assert "trainer.bf16=false" in fp32 and "param_dtype: fp32" in fp32[-1]
+    assert "trainer.bf16=true" in bf16 and "param_dtype: bf16" in bf16[-1] and "reduce_dtype: fp32" in bf16[-1]
+    # Alone, vLLM generates in fp32 whatever the training dtype; through Arctic RL the job's sampler does too.
+    assert "generator.inference_engine.model_dtype=float32" in bf16
+    spec = bench.job(bench.FRAMEWORKS["skyrl"], "/m", True, "bfloat16")
+    assert spec["engine"]["dtype"] == "bfloat16" and spec["sampler"]["dtype"] == "float32"
+    assert spec["engine"]["learning_rate"] == 1e-5 and spec["sampler"]["name"] == "vllm" and spec["zorro"]["enable"]
+    assert bench.FRAMEWORKS["skyrl"].job["engine"].get("dtype") is None  # the shared job is not changed
+    # The runner gets the dtype; a framework whose alone column is not set up for it is reported, not run.
+    seen = []
+    monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
+    monkeypatch.setattr(bench, "run_column", lambda fw, column, *a: seen.append((fw.name, column, a[-1])) or
+                        {"error": "not run here"})
+    result = bench.run(["verl", "skyrl"], ["prompt-heavy"], ["alone", "zorro-off"], rounds=1, steps=2,
+                       alone_overrides=[], work=tmp_path, log=lambda *_: None, dtype="bfloat16")
+    assert seen == [("skyrl", "alone", "bfloat16"), ("skyrl", "zorro-off", "bfloat16")] and result["dtype"] == "bfloat16"
+    assert "float32 only" in result["frameworks"]["verl"]["dtype_not_run"]
+    assert "verl in bfloat16: not run" in bench.table(result)
+    with pytest.raises(SystemExit):  # a runner refuses a dtype it is not set up for
+        _runner("verl_runner").runner_parser("verl", ("alone", "arctic")).parse_args(
+            ["--column", "alone", "--shape", "{}", "--model", "m", "--work", "w", "--dtype", "bfloat16"])

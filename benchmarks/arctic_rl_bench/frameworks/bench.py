@@ -53,6 +53,9 @@ class Framework:
     train); `async`, its own asynchronous one (generation runs on while it trains)."""
     mode_not_run: dict[str, str] = field(default_factory=dict)
     """Why the framework has no such mode."""
+    dtypes: tuple[str, ...] = ("float32",)
+    """The training dtypes its runner's alone column is set up for (its `--dtype`); through Arctic RL the job's
+    engine computes in the same one. Generation stays fp32 in every column."""
 
 
 FRAMEWORKS = {
@@ -61,7 +64,7 @@ FRAMEWORKS = {
         runner="verl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/verl_arctic.sh",
         alone_env="benchmarks/arctic_rl_bench/frameworks/envs/verl_alone.sh",
         # verl's optimizer defaults (AdamW, weight decay 0.01, clip 1.0): the adapter refuses a job that differs.
-        job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "dtype": "float32"},
+        job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01},
              "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
         # verl's v1 trainer, colocated: generation of the next batch (a partial rollout across the weight update) while
         # the actor trains; verl's own staleness bound (8 versions) is never reached at one step ahead.
@@ -72,14 +75,15 @@ FRAMEWORKS = {
         alone_env="benchmarks/arctic_rl_bench/frameworks/envs/skyrl_alone.sh",
         # SkyRL's optimizer defaults, which its adapter checks the job against.
         job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
-                        "grad_clip": 1.0, "dtype": "float32"},
+                        "grad_clip": 1.0},
              "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
         # SkyRL's fully async trainer: one step of staleness, as verl's and prime-rl's; it requires a loss anchored
         # on the sampler's log-probs (no old policy is kept), so the async columns train CISPO against the rollout.
         modes={"sync": (), "async": ("trainer.fully_async.enabled=true", "trainer.fully_async.max_staleness_steps=1",
                                      "trainer.fully_async.num_parallel_generation_workers=8", "generator.batched=false",
                                      "trainer.algorithm.policy_loss_type=cispo",
-                                     "trainer.algorithm.cispo.cispo_anchor=rollout")}),
+                                     "trainer.algorithm.cispo.cispo_anchor=rollout")},
+        dtypes=("float32", "bfloat16")),
     "primerl": Framework(
         # The trainer's phases (prime-rl's orchestrator generates ahead of it; `wait` is what it did not hide).
         "primerl", ("wait", "update_actor", "update_weights", "step"), ("update_actor",),
@@ -87,7 +91,7 @@ FRAMEWORKS = {
         # prime-rl's optimizer defaults (AdamW, weight decay 0.01, betas 0.9/0.999, clip 1.0), which its adapter
         # checks the job against.
         job={"engine": {"zero_stage": 0, "learning_rate": 1e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
-                        "grad_clip": 1.0, "dtype": "float32"},
+                        "grad_clip": 1.0},
              "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
         alone_not_run="prime-rl 0.8's trainer has no CPU path: its attention is flash-attn's varlen kernel only "
                       "(models/layers/attn.py; packed rows need it) and its step places tensors on 'cuda' in about 20 "
@@ -108,21 +112,31 @@ def environment(script: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
+def job(framework: Framework, model: str, zorro: bool, dtype: str) -> dict:
+    """The server's job for a column through Arctic RL: the engine trains in `dtype`; the sampler generates in fp32,
+    as every column's vLLM does."""
+    spec = {**framework.job, "model_path": model, "zorro": {"enable": zorro}}
+    spec["engine"] = {**spec.get("engine", {}), "dtype": dtype}
+    spec["sampler"] = {**spec.get("sampler", {}), "dtype": "float32"}
+    return spec
+
+
 @contextmanager
-def arctic_server(framework: Framework, model: str, zorro: bool, work: Path):
+def arctic_server(spec: dict, work: Path):
     if str(ROOT) not in sys.path:  # the compat tests' server helper, from the repository
         sys.path.insert(0, str(ROOT))
     from compat_tests.main_server import serving
 
-    with serving({"model_path": model, "zorro": {"enable": zorro}, **framework.job}, work) as url:
+    with serving(spec, work) as url:
         yield url
 
 
 def run_column(framework: Framework, column: str, shape_name: str, python: str, model: str, work: Path,
-               steps: int, overrides: list[str]) -> dict:
+               steps: int, overrides: list[str], dtype: str = "float32") -> dict:
     shape = shape_json(SHAPES[shape_name])
     command = [python, str(HERE / framework.runner), "--column", "alone" if column == "alone" else "arctic",
-               "--shape", shape, "--model", model, "--work", str(work / "run"), "--steps", str(steps)]
+               "--shape", shape, "--model", model, "--work", str(work / "run"), "--steps", str(steps),
+               "--dtype", dtype]
     command += [f"--override={o}" for o in overrides]
 
     def go(extra: list[str]) -> dict:
@@ -136,7 +150,7 @@ def run_column(framework: Framework, column: str, shape_name: str, python: str, 
         return go([])
     (work / "server").mkdir(parents=True)
     try:
-        with arctic_server(framework, model, column == "zorro-on", work / "server") as url:
+        with arctic_server(job(framework, model, column == "zorro-on", dtype), work / "server") as url:
             return go(["--url", url])
     except RuntimeError as err:  # the server did not start: this run fails, the bench goes on
         return {"error": str(err)}
@@ -188,7 +202,7 @@ def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]
 
 
 def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, steps: int,
-        alone_overrides: list[str], work: Path, log=print, mode: str = "sync") -> dict:
+        alone_overrides: list[str], work: Path, log=print, mode: str = "sync", dtype: str = "float32") -> dict:
     from arctic_rl_core.models.tiny import make_tiny_model
 
     model = str(work / "model")
@@ -196,7 +210,7 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                     kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"], max_positions=MODEL["max_positions"],
                     shape={"intermediate": MODEL["intermediate"]})
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    result = {"benchmark": "frameworks", "model": MODEL, "mode": mode, "rounds": rounds, "steps": steps,
+    result = {"benchmark": "frameworks", "model": MODEL, "mode": mode, "dtype": dtype, "rounds": rounds, "steps": steps,
               "frameworks": {}}
     for name in names:
         framework = FRAMEWORKS[name]
@@ -205,6 +219,10 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
         entry["shapes"] = {}
         if mode not in framework.modes:
             entry["mode_not_run"] = framework.mode_not_run[mode]
+            continue
+        if dtype not in framework.dtypes:
+            entry["dtype_not_run"] = (f"its runner's alone column is set up to train in {', '.join(framework.dtypes)} "
+                                      f"only")
             continue
         entry["mode_settings"] = list(framework.modes[mode])
         wanted = [c for c in columns if not (c == "alone" and framework.alone_not_run)]
@@ -223,7 +241,8 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                 for column in order:
                     folder = work / f"{name}-{shape_name}-{column}-{r}"
                     overrides = [*framework.modes[mode], *(alone_overrides if column == "alone" else [])]
-                    out = run_column(framework, column, shape_name, pythons[column], model, folder, steps, overrides)
+                    out = run_column(framework, column, shape_name, pythons[column], model, folder, steps, overrides,
+                                     dtype)
                     runs[column].append(out)
                     seconds = phase_medians([out], framework.phases)
                     log(f"{name} {shape_name} round {r} {column}: " + (
@@ -238,7 +257,7 @@ def table(result: dict) -> str:
     for name, entry in result["frameworks"].items():
         for shape_name, s in entry["shapes"].items():
             columns = list(s["seconds"])
-            lines.append(f"\n{name} {result.get('mode', 'sync')}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
+            lines.append(f"\n{name} {result.get('mode', 'sync')}, {result.get('dtype', 'float32')}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
                          f"G={s['samples_per_prompt']}, {s['prompts_per_step']} prompts a step); dedup bound "
                          f"{s['dedup_bound']:.2f}x in positions, {s['compute_bound']:.2f}x in multiply-adds")
             lines.append("| phase | " + " | ".join(columns) + " | alone / ZoRRo off | ZoRRo off / on |")
@@ -259,6 +278,8 @@ def table(result: dict) -> str:
                          + "; ".join(f"{c} loss {v['pg_loss']} grad norm {v['grad_norm']}" for c, v in s["first_step"].items()))
         if "mode_not_run" in entry:
             lines.append(f"{name} {result.get('mode', 'sync')}: not run: {entry['mode_not_run']}")
+        if "dtype_not_run" in entry:
+            lines.append(f"{name} in {result.get('dtype', 'float32')}: not run: {entry['dtype_not_run']}")
         if "alone_not_run" in entry:
             lines.append(f"{name} alone: not run: {entry['alone_not_run']}")
     return "\n".join(lines)
@@ -301,6 +322,8 @@ def add_arguments(p) -> None:
     p.add_argument("--column", action="append", choices=COLUMNS, help="default: all three")
     p.add_argument("--mode", choices=("sync", "async"), default="sync",
                    help="each framework's synchronous trainer, or its own asynchronous one (Framework.modes)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the dtype every column trains in (generation stays fp32; Framework.dtypes)")
     p.add_argument("--rounds", type=int, default=2, help="runs per column; the order alternates")
     p.add_argument("--steps", type=int, default=6, help="steps per run; the first is left out of the medians")
     p.add_argument("--alone-override", action="append", default=[],
@@ -315,7 +338,7 @@ def main(args) -> int:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         result = run(args.framework or list(FRAMEWORKS), args.shape or list(SHAPES), args.column or list(COLUMNS),
-                     args.rounds, args.steps, args.alone_override, work, mode=args.mode)
+                     args.rounds, args.steps, args.alone_override, work, mode=args.mode, dtype=args.dtype)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -59,7 +59,7 @@ def through_arctic(url: str) -> list[str]:
 ALONE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone")
 
 
-def alone(folder: str, threads: int) -> tuple[list[str], dict]:
+def alone(folder: str, threads: int, dtype: str = "float32") -> tuple[list[str], dict]:
     """SkyRL's own FSDP2 worker and vLLM server on a CPU: the settings it needs to run here (each says why), then the
     tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
     that loads the runtime patches in every process."""
@@ -83,14 +83,23 @@ def alone(folder: str, threads: int) -> tuple[list[str], dict]:
     ]
     tuned = [
         "trainer.gradient_checkpointing=false",  # memory is plenty: recomputing costs time
-        "trainer.bf16=false",
-        # fp32 compute, as the columns through Arctic RL compute (the job's dtype): FSDP2's default mixed precision
-        # computes in bf16 (what that gains where the CPU has fast bf16: docs/benchmarks.md).
-        "trainer.policy.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
+        # The compute dtype is the bench's `--dtype`, as the job's engine computes through Arctic RL.
+        *COMPUTE[dtype],
         # Micro-batches stay at SkyRL's default, one sample each: one micro-batch of the step's 32 samples measured
         # slower here (its padding mask and activations leave the caches).
     ]
     return needed + tuned, env
+
+
+# SkyRL's settings that compute its update and log-probs in each dtype, over fp32 weights and optimizer state.
+COMPUTE = {
+    "float32": ("trainer.bf16=false",
+                "trainer.policy.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}"),
+    # SkyRL's defaults: FSDP2 mixed precision, bf16 compute, fp32 gradient reduction (fast where the CPU has
+    # AVX-512 BF16: docs/benchmarks.md).
+    "bfloat16": ("trainer.bf16=true",
+                 "trainer.policy.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: fp32, buffer_dtype: fp32}"),
+}
 
 
 def write_dataset(folder: str, model: str, shape) -> dict:
@@ -133,7 +142,7 @@ def patches_in_effect(folder: str, log: str) -> list[str]:
 
 
 def main() -> int:
-    parser = runner_parser(__doc__.split("\n")[0], ("alone", "arctic"))
+    parser = runner_parser(__doc__.split("\n")[0], ("alone", "arctic"), tuple(COMPUTE))
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="alone: OMP_NUM_THREADS for SkyRL's Ray workers (Ray's default is 1)")
     args = parser.parse_args()
@@ -146,7 +155,7 @@ def main() -> int:
     if args.column == "arctic":
         backend = through_arctic(args.url)
     else:
-        backend, alone_env = alone(args.work, args.threads)
+        backend, alone_env = alone(args.work, args.threads, args.dtype)
         env.update(alone_env)
         # A Ray cluster of its own, which SkyRL joins: two logical GPUs (its policy worker's placement group and its
         # vLLM server ask Ray for one each), in a short folder (AF_UNIX's 107 bytes bound its socket paths).

@@ -142,8 +142,9 @@ def report(result: dict, log: str, steps_wanted: int) -> int:
     return 0 if "error" not in result else 1
 
 
-def runner_parser(description: str, columns: tuple[str, ...] = ("arctic",)):
-    """The command line `bench frameworks` gives every runner (bench.run_column)."""
+def runner_parser(description: str, columns: tuple[str, ...] = ("arctic",), dtypes: tuple[str, ...] = ("float32",)):
+    """The command line `bench frameworks` gives every runner (bench.run_column); `dtypes`: those the runner's alone
+    column can train in (bench.Framework.dtypes)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
@@ -153,6 +154,8 @@ def runner_parser(description: str, columns: tuple[str, ...] = ("arctic",)):
     parser.add_argument("--work", required=True, help="an empty folder for this run")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--url", required="alone" not in columns, help="the Arctic RL server (column arctic)")
+    parser.add_argument("--dtype", choices=list(dtypes), default="float32",
+                        help="the training compute's dtype (through Arctic RL, the server's job holds it)")
     parser.add_argument("--override", action="append", default=[], help="one more setting of the framework's (the "
                         "tuning)")
     return parser
