@@ -359,3 +359,34 @@ def test_a_dtype_trains_every_column_in_it_and_generation_stays_fp32(tmp_path, m
     with pytest.raises(SystemExit):  # a runner refuses a dtype it is not set up for
         _runner("verl_runner").runner_parser("verl", ("alone", "arctic")).parse_args(
             ["--column", "alone", "--shape", "{}", "--model", "m", "--work", "w", "--dtype", "bfloat16"])
+
+
+def test_skyrls_environment_rewards_the_answers_first_digit_and_registers_once(monkeypatch):
+    """The bench's SkyRL-Gym environment, against the two names it takes from SkyRL-Gym (stand-ins here: SkyRL-Gym
+    is in SkyRL's environments, not this one)."""
+    import types
+
+    base = types.ModuleType("skyrl_gym.envs.base_text_env")
+    base.BaseTextEnv = type("BaseTextEnv", (), {"__init__": lambda self: None})
+    base.BaseTextEnvStepOutput = dict
+    registration = types.ModuleType("skyrl_gym.envs.registration")
+    registration.registry = {}
+    envs = types.ModuleType("skyrl_gym.envs")
+    envs.register = lambda id, entry_point: registration.registry.__setitem__(id, entry_point)
+    for name, module in {"skyrl_gym": types.ModuleType("skyrl_gym"), "skyrl_gym.envs": envs,
+                         "skyrl_gym.envs.base_text_env": base, "skyrl_gym.envs.registration": registration}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.syspath_prepend(str(bench.HERE))
+    for name in ("skyrl_sql", "skyrl_sql.env"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import skyrl_sql
+    from skyrl_sql.env import SqlEnv
+
+    env = SqlEnv(extras={"reward_spec": {"method": "rule", "ground_truth": "47"}})
+    assert env.step("SELECT 4 FROM t")["reward"] == 1.0 and env.step("SELECT 7 FROM t")["reward"] == 0.0
+    assert env.step("x")["done"] is True
+    with pytest.raises(ValueError, match="reward_spec.ground_truth"):
+        SqlEnv(extras={"reward_spec": {}})
+    skyrl_sql.register()
+    skyrl_sql.register()
+    assert registration.registry == {skyrl_sql.ENV_ID: "skyrl_sql.env:SqlEnv"}

@@ -1,10 +1,10 @@
-"""One column of `bench frameworks` for SkyRL 0.4: its documented GRPO (`python -m skyrl.train.entrypoints.main_base`,
-docs/skyrl.md) for S steps, alone (its FSDP2 worker and its own vLLM servers, in .cache/bench-skyrl-alone-venv, with
-the runtime patches of alone/skyrl_alone_patches.py) or through Arctic RL (in SkyRL's compat environment); prints one
-JSON line per run.
+"""One column of `bench frameworks` for SkyRL 0.4: its documented GRPO (`main_base`, docs/skyrl.md) on a custom
+SkyRL-Gym environment, as SkyRL documents one (`python -m skyrl_sql`: registers it, then runs `main_base`), for S
+steps, alone (its FSDP2 worker and its own vLLM servers, in .cache/bench-skyrl-alone-venv, with the runtime patches of
+alone/skyrl_alone_patches.py) or through Arctic RL (in SkyRL's compat environment); prints one JSON line per run.
 
-The reward is SkyRL-Gym's gsm8k environment (`#### n` holding the answer), which a random model rarely earns: the
-columns compare the engines' time on the same work, and the losses are near zero.
+The environment rewards as every framework's columns do (a reply holding the answer's first digit): a random model
+earns mixed rewards, so the weights move and each step's weight sync carries them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
+from skyrl_sql import ENV_ID  # noqa: E402
 from workload import prompts, report, runner_parser, shape_from_json  # noqa: E402
 
 # SkyRL's Timer names, as this bench's phases (the trainer's step, trainer.py). The fully async trainer
@@ -29,14 +31,16 @@ PHASES = {"gen": "timing/generate", "old_log_prob": "timing/fwd_logprobs_values_
           "update_actor": "timing/train_critic_and_policy", "update_weights": "timing/sync_weights",
           "step": "timing/step"}
 METRICS = {"pg_loss": "policy/final_loss", "grad_norm": "policy/grad_norm", "reward": "reward/avg_raw_reward",
-           "response_length": "generate/avg_num_tokens", "staleness": "async/staleness_mean"}
+           "response_length": "generate/avg_num_tokens", "staleness": "async/staleness_mean",
+           # the sampler's log-probs against the trainer's, token by token: a weight sync that did not land shows
+           "rollout_logprob_diff_max": "policy/rollout_train_logprobs_abs_diff_max"}
 
 
 def algorithm(model: str, folder: str, shape, steps: int) -> list[str]:
     """SkyRL's GRPO as every column runs it: one update a step, the bench's optimizer, no KL."""
     return [
         f"trainer.policy.model.path={model}", f"data.train_data=['{folder}/train.parquet']",
-        f"data.val_data=['{folder}/train.parquet']", "environment.env_class=gsm8k",
+        f"data.val_data=['{folder}/train.parquet']", f"environment.env_class={ENV_ID}",
         "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=false",
         f"generator.n_samples_per_prompt={shape.samples_per_prompt}",
         f"trainer.train_batch_size={shape.prompts_per_step}",
@@ -56,14 +60,14 @@ def through_arctic(url: str) -> list[str]:
             f"generator.inference_engine.external_proxy_url={url}"]
 
 
-ALONE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone")
+ALONE = os.path.join(HERE, "alone")
 
 
 def alone(folder: str, threads: int, dtype: str = "float32") -> tuple[list[str], dict]:
     """SkyRL's own FSDP2 worker and vLLM server on a CPU: the settings it needs to run here (each says why), then the
     tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
     that loads the runtime patches in every process."""
-    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ALONE, "skyrl_site"), ALONE]),
+    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ALONE, "skyrl_site"), ALONE, HERE]),
            "OMP_NUM_THREADS": str(threads),  # Ray would start each worker with one thread
            "VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache: more than a step's samples take
     needed = [
@@ -106,7 +110,7 @@ def write_dataset(folder: str, model: str, shape) -> dict:
     import pandas as pd
 
     pairs, lengths = prompts(model, shape)
-    pd.DataFrame([{"data_source": "arctic_sql", "prompt": [{"role": "user", "content": content}], "env_class": "gsm8k",
+    pd.DataFrame([{"data_source": "arctic_sql", "prompt": [{"role": "user", "content": content}], "env_class": ENV_ID,
                    "reward_spec": {"method": "rule", "ground_truth": answer}, "extra_info": {"split": "train", "index": i}}
                   for i, (content, answer) in enumerate(pairs)]).to_parquet(os.path.join(folder, "train.parquet"))
     return lengths
@@ -151,7 +155,7 @@ def main() -> int:
     os.makedirs(args.work, exist_ok=True)
     lengths = write_dataset(args.work, args.model, shape)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TENSORBOARD_DIR": os.path.join(args.work, "tb")}
+           "TENSORBOARD_DIR": os.path.join(args.work, "tb"), "PYTHONPATH": HERE}  # skyrl_sql, in every process
     if args.column == "arctic":
         backend = through_arctic(args.url)
     else:
@@ -165,7 +169,7 @@ def main() -> int:
                         "--include-dashboard", "false", "--disable-usage-stats"], env=env, check=True,
                        capture_output=True)
         env["RAY_ADDRESS"] = "auto"
-    argv = [sys.executable, "-m", "skyrl.train.entrypoints.main_base", *backend,
+    argv = [sys.executable, "-m", "skyrl_sql", *backend,
             *algorithm(args.model, args.work, shape, args.steps), *args.override]
     t0 = time.perf_counter()
     try:

@@ -1,0 +1,3 @@
+from skyrl_sql import main
+
+main()
