@@ -390,3 +390,45 @@ def test_skyrls_environment_rewards_the_answers_first_digit_and_registers_once(m
     skyrl_sql.register()
     skyrl_sql.register()
     assert registration.registry == {skyrl_sql.ENV_ID: "skyrl_sql.env:SqlEnv"}
+
+
+def test_skyrl_runner_fails_a_run_whose_trainer_is_not_the_one_asked_for():
+    runner = _runner("skyrl_runner")
+    synchronous = [{"step": 1, "seconds": {}}, {"step": 2, "seconds": {}}]
+    fully_async = [{"step": 1, "seconds": {}, "staleness": 0.0}, {"step": 2, "seconds": {}, "staleness": 1.0}]
+    asked = list(bench.FRAMEWORKS["skyrl"].modes["async"])
+    assert runner.trainer_mismatch(asked, fully_async) is None and runner.trainer_mismatch([], synchronous) is None
+    assert "asked for SkyRL's fully async trainer" in runner.trainer_mismatch(asked, synchronous)
+    assert "asked for SkyRL's synchronous trainer" in runner.trainer_mismatch([], fully_async)
+    assert runner.trainer_mismatch(asked, []) is None  # a run with no steps fails as such (report)
+
+
+def test_skyrls_entry_point_runs_the_fully_async_trainer_where_asked(monkeypatch):
+    """SkyRL's main_base runs its synchronous trainer whatever `trainer.fully_async.enabled` says: the bench's entry
+    point builds the fully async one as SkyRL's example does (SkyRL's classes stand in here)."""
+    import types
+
+    class BasePPOExp:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def get_trainer(self, *args, **kwargs):
+            return "synchronous"
+
+    fully_async = type("FullyAsyncRayPPOTrainer", (), {"__init__": lambda self, *a, **k: None})
+    modules = {"skyrl": {}, "skyrl.train": {}, "skyrl.train.entrypoints": {},
+               "skyrl.train.entrypoints.main_base": {"BasePPOExp": BasePPOExp},
+               "skyrl.train.fully_async_trainer": {"FullyAsyncRayPPOTrainer": fully_async}}
+    for name, attrs in modules.items():
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.syspath_prepend(str(bench.HERE))
+    monkeypatch.delitem(sys.modules, "skyrl_sql", raising=False)
+    import skyrl_sql
+
+    def cfg(enabled):
+        return types.SimpleNamespace(trainer=types.SimpleNamespace(fully_async=types.SimpleNamespace(enabled=enabled)))
+
+    assert skyrl_sql.experiment(cfg(False)).get_trainer(cfg=None) == "synchronous"
+    assert isinstance(skyrl_sql.experiment(cfg(True)).get_trainer(cfg=None, tracker=None), fully_async)

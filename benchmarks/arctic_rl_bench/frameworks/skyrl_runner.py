@@ -135,6 +135,17 @@ def steps_from(tensorboard: str) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def trainer_mismatch(overrides: list[str], steps: list[dict]) -> str | None:
+    """Why the run's trainer is not the one asked for (SkyRL's fully async trainer logs each step's staleness, its
+    synchronous one does not), or None."""
+    asked = "trainer.fully_async.enabled=true" in overrides
+    ran = any("staleness" in s for s in steps)
+    if steps and asked != ran:
+        return (f"asked for SkyRL's {'fully async' if asked else 'synchronous'} trainer, and the steps "
+                f"{'do not log' if asked else 'log'} the fully async trainer's staleness")
+    return None
+
+
 def patches_in_effect(folder: str, log: str) -> list[str]:
     """What the alone patches printed, from SkyRL's log and its workers' (under trainer.log_path)."""
     texts = [log]
@@ -187,6 +198,9 @@ def main() -> int:
               "steps": steps, "command": argv[1:], **lengths}
     if args.column == "alone":
         result["patches_applied"] = patches_in_effect(args.work, log)
+    wrong = trainer_mismatch(args.override, steps)
+    if wrong:
+        result["returncode"], log = 1, f"{log}\n{wrong}"
     return report(result, log, args.steps)
 
 
