@@ -1,7 +1,8 @@
 """One column of `bench frameworks` for SkyRL 0.4: its documented GRPO (`main_base`, docs/skyrl.md) on a custom
-SkyRL-Gym environment, as SkyRL documents one (`python -m skyrl_sql`: registers it, then runs `main_base`), for S
-steps, alone (its FSDP2 worker and its own vLLM servers, in .cache/bench-skyrl-alone-venv, with the runtime patches of
-alone/skyrl_alone_patches.py) or through Arctic RL (in SkyRL's compat environment); prints one JSON line per run.
+SkyRL-Gym environment, as SkyRL documents one (`python -m skyrl_sql`: registers it, then runs SkyRL's experiment),
+for S steps, alone (its FSDP2 worker and its own vLLM servers, in .cache/bench-skyrl-alone-venv, with the runtime
+patches of alone/skyrl_alone_patches.py) or through Arctic RL (in SkyRL's compat environment); prints one JSON line
+per run.
 
 The environment rewards as every framework's columns do (a reply holding the answer's first digit): a random model
 earns mixed rewards, so the weights move and each step's weight sync carries them.
