@@ -91,7 +91,8 @@ def alone(folder: str, threads: int, dtype: str = "float32") -> tuple[list[str],
         # The compute dtype is the bench's `--dtype`, as the job's engine computes through Arctic RL.
         *COMPUTE[dtype],
         # Micro-batches stay at SkyRL's default, one sample each: one micro-batch of the step's 32 samples measured
-        # slower here (its padding mask and activations leave the caches).
+        # slower on the prompt-heavy shape (its padding mask and activations leave the caches) and faster on the
+        # generation-heavy one (docs/benchmarks.md gives both).
     ]
     return needed + tuned, env
 
