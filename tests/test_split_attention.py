@@ -300,3 +300,33 @@ def test_cuda_flash_calls_follow_atens_contracts(dtype, causal):
     assert out.shape == q.shape and lse.shape == (B, H, Lq) and lse.dtype == torch.float32
     grads = sa.CUDA_FLASH.backward(torch.empty_like(out), q, k, v, out, lse, causal, 0.125, sa.NO_MODS, None, None)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_bf16_gradients_within_bf16_tolerance_on_both_sides_of_the_fp32_backward_length():
+    """Short responses (few keys) take the CPU backward in fp32, long prompts ATen's bf16 one: both within bf16's
+    tolerance of the fp32 reference."""
+    short, long_ = sa._CPU_FP32_BACKWARD_MAX_KEYS // 4, sa._CPU_FP32_BACKWARD_MAX_KEYS * 2
+    layout = ForestLayout((0, long_, long_ + short), (long_, long_ + short, long_ + 2 * short), (long_ + 2 * short,
+                          long_ + short, long_ + 2 * short), long_ + 2 * short)
+    q, k, v = (torch.randn(2, layout.num_tokens, 32).bfloat16().requires_grad_() for _ in range(3))
+    dout = torch.randn(2, layout.num_tokens, 32).bfloat16()
+    grads = torch.autograd.grad(split_attention(q, k, v, layout, 32**-0.5, backend="cpu_flash"), (q, k, v), dout)
+    ref_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref = split_attention_reference(*ref_inputs, layout, 32**-0.5)
+    for g, r in zip(grads, torch.autograd.grad(ref, ref_inputs, dout.float())):
+        assert g.dtype == torch.bfloat16
+        assert (g.float() - r).norm() <= 1e-2 * r.norm()
+
+
+@pytest.mark.parametrize("keys", [sa._CPU_FP32_BACKWARD_MAX_KEYS, sa._CPU_FP32_BACKWARD_MAX_KEYS + 1])
+def test_cpu_flash_backward_runs_in_fp32_only_where_the_keys_are_few(keys):
+    q, k, v = (torch.randn(1, 2, keys, 16).bfloat16() for _ in range(3))
+    out, lse = sa.CPU_FLASH.forward(q, k, v, True, 0.25, sa.NO_MODS, None, None)
+    dout = torch.randn_like(out)
+    grads = sa.CPU_FLASH.backward(dout, q, k, v, out, lse, True, 0.25, sa.NO_MODS, None, None)
+    few = keys <= sa._CPU_FP32_BACKWARD_MAX_KEYS
+    wanted = [x.float() if few else x for x in (dout, q, k, v, out)]
+    expected = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*wanted, lse, 0.0, True, scale=0.25)
+    for g, e in zip(grads, expected):
+        assert g.dtype == (torch.float32 if few else torch.bfloat16)
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
