@@ -4,6 +4,7 @@ not run here."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -342,12 +343,23 @@ def test_a_dtype_trains_every_column_in_it_and_generation_stays_fp32(tmp_path, m
     assert "trainer.bf16=true" in bf16 and "param_dtype: bf16" in bf16[-1] and "reduce_dtype: fp32" in bf16[-1]
     # Alone, vLLM generates in fp32 whatever the training dtype; through Arctic RL the job's sampler does too.
     assert "generator.inference_engine.model_dtype=float32" in bf16
+    # verl's FSDP engine reads its compute dtype from `mixed_precision` alone (bf16 when unset), never `dtype`.
+    verl = _runner("verl_runner")
+    shape = SHAPES["prompt-heavy"]
+    for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
+        settings, _ = verl.alone(shape, str(tmp_path), threads=2, dtype=dtype)
+        precision = [s for s in settings if "fsdp_config.mixed_precision=" in s]
+        assert precision == [f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={{param_dtype: {short}, "
+                             "reduce_dtype: fp32, buffer_dtype: fp32}"]
+        assert "actor_rollout_ref.rollout.dtype=float32" in settings
+        assert not any(s.startswith("actor_rollout_ref.actor.fsdp_config.dtype=") for s in settings)
     spec = bench.job(bench.FRAMEWORKS["skyrl"], "/m", True, "bfloat16")
     assert spec["engine"]["dtype"] == "bfloat16" and spec["sampler"]["dtype"] == "float32"
     assert spec["engine"]["learning_rate"] == 1e-5 and spec["sampler"]["name"] == "vllm" and spec["zorro"]["enable"]
     assert bench.FRAMEWORKS["skyrl"].job["engine"].get("dtype") is None  # the shared job is not changed
     # The runner gets the dtype; a framework whose alone column is not set up for it is reported, not run.
     seen = []
+    monkeypatch.setitem(bench.FRAMEWORKS, "verl", dataclasses.replace(bench.FRAMEWORKS["verl"], dtypes=("float32",)))
     monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
     monkeypatch.setattr(bench, "run_column", lambda fw, column, *a: seen.append((fw.name, column, a[-1])) or
                         {"error": "not run here"})
@@ -357,7 +369,7 @@ def test_a_dtype_trains_every_column_in_it_and_generation_stays_fp32(tmp_path, m
     assert "float32 only" in result["frameworks"]["verl"]["dtype_not_run"]
     assert "verl in bfloat16: not run" in bench.table(result)
     with pytest.raises(SystemExit):  # a runner refuses a dtype it is not set up for
-        _runner("verl_runner").runner_parser("verl", ("alone", "arctic")).parse_args(
+        verl.runner_parser("verl", ("alone", "arctic"), ("float32",)).parse_args(
             ["--column", "alone", "--shape", "{}", "--model", "m", "--work", "w", "--dtype", "bfloat16"])
 
 

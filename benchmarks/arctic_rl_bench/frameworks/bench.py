@@ -68,7 +68,8 @@ FRAMEWORKS = {
              "sampler": {"name": "vllm", "kv_cache_mb": 512, "max_model_len": MODEL["max_positions"]}},
         # verl's v1 trainer, colocated: generation of the next batch (a partial rollout across the weight update) while
         # the actor trains; verl's own staleness bound (8 versions) is never reached at one step ahead.
-        modes={"sync": (), "async": ("trainer.v1.trainer_mode=colocate_async",)}),
+        modes={"sync": (), "async": ("trainer.v1.trainer_mode=colocate_async",)},
+        dtypes=("float32", "bfloat16")),
     "skyrl": Framework(
         "skyrl", ("gen", "old_log_prob", "update_actor", "update_weights", "step"), ("old_log_prob", "update_actor"),
         runner="skyrl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/skyrl_arctic.sh",

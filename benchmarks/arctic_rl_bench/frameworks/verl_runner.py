@@ -39,7 +39,7 @@ class FastPollReplayBuffer(ReplayBuffer):
 
 
 def algorithm(shape, steps: int, folder: str, model: str) -> list[str]:
-    """The settings both columns share: one GRPO algorithm, one update per step, no KL, fp32."""
+    """The settings both columns share: one GRPO algorithm, one update per step, no KL."""
     return [
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={folder}/train.parquet", f"data.val_files={folder}/val.parquet",
@@ -65,7 +65,17 @@ def algorithm(shape, steps: int, folder: str, model: str) -> list[str]:
 ALONE_PATCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone")
 
 
-def alone(shape, ray_tmp: str, threads: int) -> tuple[list[str], dict]:
+# verl's FSDP engine computes in `fsdp_config.mixed_precision.param_dtype`, bf16 when that is unset; it never reads
+# `fsdp_config.dtype` (only its Megatron engine does: verl/workers/engine/fsdp/transformer_impl.py). The weights, the
+# optimizer state and the gradient reduction stay fp32 (`model_dtype=fp32`) in both.
+COMPUTE = {
+    "float32": "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
+    # verl's default: bf16 compute under autocast, fp32 gradient reduction.
+    "bfloat16": "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: fp32, buffer_dtype: fp32}",
+}
+
+
+def alone(shape, ray_tmp: str, threads: int, dtype: str = "float32") -> tuple[list[str], dict]:
     """verl's own FSDP actor and vLLM rollout on a CPU: the settings it needs to run here (each says why), then the
     tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
     that loads the runtime patches (alone/verl_alone_patches.py) in every process, Ray's workers included."""
@@ -77,7 +87,7 @@ def alone(shape, ray_tmp: str, threads: int) -> tuple[list[str], dict]:
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.strategy=fsdp2",  # FSDP1 refuses CPU modules
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",  # its default needs flash-attention,
         "actor_rollout_ref.model.use_remove_padding=False",  # and so does padding removal
-        "actor_rollout_ref.actor.fsdp_config.dtype=float32", "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32", COMPUTE[dtype],  # the bench's `--dtype`
         "actor_rollout_ref.rollout.dtype=float32", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         "actor_rollout_ref.rollout.enforce_eager=True",  # vLLM-CPU: no graphs; no sleep mode
         "actor_rollout_ref.rollout.free_cache_engine=False", "+actor_rollout_ref.rollout.enable_sleep_mode=False",
@@ -139,7 +149,7 @@ def backend_shares(trace_path: str, steps: list[dict]) -> None:
 
 
 def main() -> int:
-    parser = runner_parser(__doc__.split("\n")[0], ("alone", "arctic"))
+    parser = runner_parser(__doc__.split("\n")[0], ("alone", "arctic"), tuple(COMPUTE))
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="alone: OMP_NUM_THREADS for verl's Ray workers (Ray's default is 1)")
     args = parser.parse_args()
@@ -156,7 +166,7 @@ def main() -> int:
     else:
         # A Ray cluster of its own, in a short folder: its socket paths must stay within AF_UNIX's 107 bytes.
         ray_tmp = tempfile.mkdtemp(prefix="ray-alone-")
-        head, (tail, alone_env) = [], alone(shape, ray_tmp, args.threads)
+        head, (tail, alone_env) = [], alone(shape, ray_tmp, args.threads, args.dtype)
         env.update(alone_env)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *head, *algorithm(shape, args.steps, args.work, args.model),
                *tail, *args.override]
