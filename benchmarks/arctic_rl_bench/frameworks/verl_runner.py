@@ -66,8 +66,8 @@ ALONE_PATCHES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "alone"
 
 
 # verl's FSDP engine computes in `fsdp_config.mixed_precision.param_dtype`, bf16 when that is unset; it never reads
-# `fsdp_config.dtype` (only its Megatron engine does: verl/workers/engine/fsdp/transformer_impl.py). The weights, the
-# optimizer state and the gradient reduction stay fp32 (`model_dtype=fp32`) in both.
+# `fsdp_config.dtype` (only its Megatron engine does: verl/workers/engine/fsdp/transformer_impl.py). In both, the
+# weights and the optimizer state stay fp32 (`model_dtype=fp32`), and so does the gradient reduction (`reduce_dtype`).
 COMPUTE = {
     "float32": "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype: fp32, reduce_dtype: fp32, buffer_dtype: fp32}",
     # verl's default: bf16 compute under autocast, fp32 gradient reduction.
