@@ -125,8 +125,8 @@ def test_a_column_that_cannot_run_here_is_reported_with_its_reason(tmp_path):
 def test_a_mode_sets_every_column_and_the_alone_tuning_only_alone(tmp_path, monkeypatch, mode):
     commands = []
     monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
-    monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides, dtype:
-                        commands.append((fw.name, column, overrides)) or {"error": "not run here"})
+    monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides, dtype,
+                        diagnostics: commands.append((fw.name, column, overrides)) or {"error": "not run here"})
     result = bench.run(["verl", "primerl"], ["prompt-heavy"], ["alone", "zorro-off", "zorro-on"], rounds=1, steps=2,
                        alone_overrides=["tuned=1"], work=tmp_path, log=lambda *_: None, mode=mode)
     verl = list(bench.FRAMEWORKS["verl"].modes[mode])
@@ -184,6 +184,94 @@ def test_the_alone_patches_are_listed_with_why_and_timing_and_apply_once(monkeyp
     skipped = patches.AlonePatch("P8 not here", why="a test", timing="none", needed=lambda: False,
                                  apply=lambda: calls.append("wrong"))
     assert not patches.apply(skipped) and "P8 not here" not in patches.APPLIED and calls == ["applied"]
+
+
+def test_verls_diagnostic_patches_apply_only_where_named_and_are_documented(monkeypatch):
+    patches = _runner("alone/verl_alone_patches", monkeypatch)
+    assert patches.diagnostics_named("") == []  # verl alone: none
+    assert [p.name for p in patches.diagnostics_named("D2, D1")] == ["D2 causal-sdpa", "D1 vectorised-logprobs"]
+    with pytest.raises(ValueError, match="D3"):
+        patches.diagnostics_named("D1,D3")
+    docs = (bench.ROOT / "docs" / "benchmarks.md").read_text()
+    assert all(p.why and p.timing and p.name in docs for p in patches.DIAGNOSTICS)
+    runner = _runner("verl_runner", monkeypatch)
+    assert runner.DIAGNOSTICS == bench.FRAMEWORKS["verl"].diagnostics == tuple(p.name.split()[0] for p in patches.DIAGNOSTICS)
+    _, env = runner.alone(SHAPES["prompt-heavy"], "/tmp/ray", 2, diagnostics=("D1", "D2"))
+    assert env["VERL_ALONE_DIAGNOSTICS"] == "D1,D2"
+    assert "VERL_ALONE_DIAGNOSTICS" not in runner.alone(SHAPES["prompt-heavy"], "/tmp/ray", 2)[1]
+
+
+def test_a_diagnostic_reaches_the_alone_runner_only_and_is_refused_where_the_runner_has_none(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="skyrl's runner takes none"):
+        bench.run(["skyrl"], ["prompt-heavy"], ["alone"], 1, 2, [], tmp_path, diagnostics=("D1",))
+    assert not (tmp_path / "model").exists()  # refused before anything ran
+    commands = []
+    monkeypatch.setattr(bench.subprocess, "run", lambda command, **kw: commands.append(command) or
+                        type("Done", (), {"stdout": "{}", "stderr": ""})())
+    bench.run_column(bench.FRAMEWORKS["verl"], "alone", "prompt-heavy", "python", "/m", tmp_path, 2, [],
+                     "bfloat16", ("D1", "D2"))
+    assert commands[-1][-2:] == ["--diagnostic=D1", "--diagnostic=D2"]
+    result = {"alone_diagnostics": ["D1", "D2"], "mode": "sync", "dtype": "bfloat16", "frameworks": {}}
+    runs = {c: [_run({"gen": 1.0, "old_log_prob": 1.0, "update_actor": 1.0, "update_weights": 0.1, "step": 3.1})]
+            for c in ("alone", "zorro-off")}
+    result["frameworks"]["verl"] = {"shapes": {"prompt-heavy": bench.summarise(bench.FRAMEWORKS["verl"], "prompt-heavy",
+                                                                               runs, 567)}}
+    assert "alone with the diagnostic patches D1, D2: not verl as shipped" in bench.table(result)
+    result["alone_diagnostics"] = []
+    assert "diagnostic" not in bench.table(result)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_vectorised_logprobs_equal_verls_loop_over_rows(monkeypatch, dtype):
+    import torch
+
+    patches = _runner("alone/verl_alone_patches", monkeypatch)
+    dtype = getattr(torch, dtype)
+    torch.manual_seed(0)
+    logits, labels = (torch.randn(300, 567) * 4).to(dtype), torch.randint(0, 567, (300,))
+    if dtype == torch.float32:  # verl 0.9.1's logprobs_from_logits_v2, row by row
+        loop = logits.gather(-1, labels[:, None])[:, 0] - torch.stack([torch.logsumexp(row, -1) for row in logits])
+    else:
+        loop = torch.stack([torch.log_softmax(row, -1)[label] for row, label in zip(logits, labels)])
+    got = patches.logprobs_vectorised(logits, labels)
+    assert got.dtype == loop.dtype
+    torch.testing.assert_close(got, loop, rtol=1e-6 if dtype == torch.float32 else 0, atol=1e-5 if dtype == torch.float32 else 0)
+
+
+def test_causal_sdpa_for_right_padded_rows_drops_the_dense_mask_and_keeps_every_real_tokens_logits(monkeypatch):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import masking_utils
+
+    patches = _runner("alone/verl_alone_patches", monkeypatch)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    lengths = [20, 13, 7]
+    ids = torch.randint(0, 97, (3, 20))
+    right = (torch.arange(20)[None] < torch.tensor(lengths)[:, None]).long()
+    left = right.flip(-1)
+    positions = (right.cumsum(-1) - 1).clamp(min=0)
+    masks = []
+    spy = masking_utils.sdpa_mask
+
+    def sdpa_mask(*args, **kwargs):
+        masks.append(spy(*args, **kwargs))
+        return masks[-1]
+
+    monkeypatch.setitem(masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "sdpa", sdpa_mask)
+    with torch.no_grad():
+        dense = model(input_ids=ids, attention_mask=right, position_ids=positions).logits
+        assert masks[-1] is not None  # transformers as shipped: a dense mask for right-padded rows
+        monkeypatch.setattr(masking_utils, "_ignore_causal_mask_sdpa", masking_utils._ignore_causal_mask_sdpa)
+        patches._causal_sdpa_for_right_padding(masking_utils)
+        causal = model(input_ids=ids, attention_mask=right, position_ids=positions).logits
+        assert masks[-1] is None  # SDPA's is_causal instead
+        model(input_ids=ids, attention_mask=left)
+        assert masks[-1] is not None  # left padding keeps its mask
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(causal[row, :n], dense[row, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_the_pause_keyword_patch_renames_verls_argument_once_vllm_is_imported(monkeypatch, tmp_path):
@@ -361,8 +449,8 @@ def test_a_dtype_trains_every_column_in_it_and_generation_stays_fp32(tmp_path, m
     seen = []
     monkeypatch.setitem(bench.FRAMEWORKS, "verl", dataclasses.replace(bench.FRAMEWORKS["verl"], dtypes=("float32",)))
     monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
-    monkeypatch.setattr(bench, "run_column", lambda fw, column, *a: seen.append((fw.name, column, a[-1])) or
-                        {"error": "not run here"})
+    monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides, dtype,
+                        diagnostics: seen.append((fw.name, column, dtype)) or {"error": "not run here"})
     result = bench.run(["verl", "skyrl"], ["prompt-heavy"], ["alone", "zorro-off"], rounds=1, steps=2,
                        alone_overrides=[], work=tmp_path, log=lambda *_: None, dtype="bfloat16")
     assert seen == [("skyrl", "alone", "bfloat16"), ("skyrl", "zorro-off", "bfloat16")] and result["dtype"] == "bfloat16"

@@ -56,6 +56,9 @@ class Framework:
     dtypes: tuple[str, ...] = ("float32",)
     """The training dtypes its runner's alone column is set up for (its `--dtype`); through Arctic RL the job's
     engine computes in the same one. Generation stays fp32 in every column."""
+    diagnostics: tuple[str, ...] = ()
+    """Diagnostic patches its runner's alone column takes (`--alone-diagnostic`): the framework with a CPU fallback
+    replaced by what its GPU path computes, to measure that fallback's cost. A run with one is not the framework alone."""
 
 
 FRAMEWORKS = {
@@ -69,7 +72,7 @@ FRAMEWORKS = {
         # verl's v1 trainer, colocated: generation of the next batch (a partial rollout across the weight update) while
         # the actor trains; verl's own staleness bound (8 versions) is never reached at one step ahead.
         modes={"sync": (), "async": ("trainer.v1.trainer_mode=colocate_async",)},
-        dtypes=("float32", "bfloat16")),
+        dtypes=("float32", "bfloat16"), diagnostics=("D1", "D2")),
     "skyrl": Framework(
         "skyrl", ("gen", "old_log_prob", "update_actor", "update_weights", "step"), ("old_log_prob", "update_actor"),
         runner="skyrl_runner.py", arctic_env="benchmarks/arctic_rl_bench/frameworks/envs/skyrl_arctic.sh",
@@ -133,12 +136,14 @@ def arctic_server(spec: dict, work: Path):
 
 
 def run_column(framework: Framework, column: str, shape_name: str, python: str, model: str, work: Path,
-               steps: int, overrides: list[str], dtype: str = "float32") -> dict:
+               steps: int, overrides: list[str], dtype: str = "float32", diagnostics: tuple[str, ...] = ()) -> dict:
     shape = shape_json(SHAPES[shape_name])
     command = [python, str(HERE / framework.runner), "--column", "alone" if column == "alone" else "arctic",
                "--shape", shape, "--model", model, "--work", str(work / "run"), "--steps", str(steps),
                "--dtype", dtype]
     command += [f"--override={o}" for o in overrides]
+    if column == "alone":
+        command += [f"--diagnostic={d}" for d in diagnostics]
 
     def go(extra: list[str]) -> dict:
         proc = subprocess.run(command + extra, capture_output=True, text=True, cwd=ROOT)
@@ -203,16 +208,23 @@ def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]
 
 
 def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, steps: int,
-        alone_overrides: list[str], work: Path, log=print, mode: str = "sync", dtype: str = "float32") -> dict:
+        alone_overrides: list[str], work: Path, log=print, mode: str = "sync", dtype: str = "float32",
+        diagnostics: tuple[str, ...] = ()) -> dict:
+    """`diagnostics`: patches for the alone column (Framework.diagnostics); a run with any is reported as such."""
     from arctic_rl_core.models.tiny import make_tiny_model
 
+    for name in names:
+        missing = [d for d in diagnostics if d not in FRAMEWORKS[name].diagnostics]
+        if missing and "alone" in columns:
+            raise ValueError(f"--alone-diagnostic {', '.join(missing)}: {name}'s runner takes "
+                             f"{', '.join(FRAMEWORKS[name].diagnostics) or 'none'}")
     model = str(work / "model")
     make_tiny_model(MODEL["family"], model, layers=MODEL["layers"], hidden=MODEL["hidden"], heads=MODEL["heads"],
                     kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"], max_positions=MODEL["max_positions"],
                     shape={"intermediate": MODEL["intermediate"]})
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     result = {"benchmark": "frameworks", "model": MODEL, "mode": mode, "dtype": dtype, "rounds": rounds, "steps": steps,
-              "frameworks": {}}
+              "alone_diagnostics": list(diagnostics), "frameworks": {}}
     for name in names:
         framework = FRAMEWORKS[name]
         entry: dict = {"alone_not_run": framework.alone_not_run} if framework.alone_not_run else {}
@@ -243,7 +255,7 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                     folder = work / f"{name}-{shape_name}-{column}-{r}"
                     overrides = [*framework.modes[mode], *(alone_overrides if column == "alone" else [])]
                     out = run_column(framework, column, shape_name, pythons[column], model, folder, steps, overrides,
-                                     dtype)
+                                     dtype, diagnostics)
                     runs[column].append(out)
                     seconds = phase_medians([out], framework.phases)
                     log(f"{name} {shape_name} round {r} {column}: " + (
@@ -261,6 +273,9 @@ def table(result: dict) -> str:
             lines.append(f"\n{name} {result.get('mode', 'sync')}, {result.get('dtype', 'float32')}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
                          f"G={s['samples_per_prompt']}, {s['prompts_per_step']} prompts a step); dedup bound "
                          f"{s['dedup_bound']:.2f}x in positions, {s['compute_bound']:.2f}x in multiply-adds")
+            if result.get("alone_diagnostics") and "alone" in columns:
+                lines.append(f"alone with the diagnostic patches {', '.join(result['alone_diagnostics'])}: not "
+                             f"{name} as shipped (verl_alone_patches.DIAGNOSTICS)")
             lines.append("| phase | " + " | ".join(columns) + " | alone / ZoRRo off | ZoRRo off / on |")
             lines.append("|---" * (len(columns) + 3) + "|")
             for phase in next(iter(s["seconds"].values()), {}):
@@ -329,6 +344,10 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=6, help="steps per run; the first is left out of the medians")
     p.add_argument("--alone-override", action="append", default=[],
                    help="a setting for the alone column (the tuning tried: docs/benchmarks.md)")
+    p.add_argument("--alone-diagnostic", action="append", default=[], choices=sorted({d for f in FRAMEWORKS.values()
+                                                                                       for d in f.diagnostics}),
+                   help="a diagnostic patch for the alone column: the framework with one CPU fallback replaced by what "
+                        "its GPU path computes (Framework.diagnostics); the result is labelled, not the framework alone")
     p.add_argument("--json", help="write the whole result (every run's steps) here")
     p.add_argument("--plot", help="write seconds and reward per step here (PNG)")
     p.add_argument("--work", help="keep the runs' folders here (default: a temporary one)")
@@ -339,7 +358,8 @@ def main(args) -> int:
         work = Path(args.work or tmp)
         work.mkdir(parents=True, exist_ok=True)
         result = run(args.framework or list(FRAMEWORKS), args.shape or list(SHAPES), args.column or list(COLUMNS),
-                     args.rounds, args.steps, args.alone_override, work, mode=args.mode, dtype=args.dtype)
+                     args.rounds, args.steps, args.alone_override, work, mode=args.mode, dtype=args.dtype,
+                     diagnostics=tuple(args.alone_diagnostic))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -75,13 +75,20 @@ COMPUTE = {
 }
 
 
-def alone(shape, ray_tmp: str, threads: int, dtype: str = "float32") -> tuple[list[str], dict]:
+DIAGNOSTICS = ("D1", "D2")
+"""The diagnostic patches (alone/verl_alone_patches.py DIAGNOSTICS): verl alone with a CPU fallback replaced."""
+
+
+def alone(shape, ray_tmp: str, threads: int, dtype: str = "float32", diagnostics: tuple[str, ...] = ()) -> tuple[list[str], dict]:
     """verl's own FSDP actor and vLLM rollout on a CPU: the settings it needs to run here (each says why), then the
     tuning a competent user would choose (docs/benchmarks.md has each one's measured effect); and the environment
-    that loads the runtime patches (alone/verl_alone_patches.py) in every process, Ray's workers included."""
+    that loads the runtime patches (alone/verl_alone_patches.py) in every process, Ray's workers included, with the
+    `diagnostics` named (none: verl alone)."""
     env = {"PYTHONPATH": ALONE_PATCHES, "VERL_USE_EXTERNAL_MODULES": "verl_alone_patches",
            "VERL_ENGINE_DEVICE": "cuda",  # verl registers its FSDP engine for cuda and npu only (engine lookup only)
            "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "2"}
+    if diagnostics:
+        env["VERL_ALONE_DIAGNOSTICS"] = ",".join(diagnostics)
     batch = shape.prompts_per_step * shape.samples_per_prompt
     needed = [
         "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.actor.strategy=fsdp2",  # FSDP1 refuses CPU modules
@@ -152,6 +159,8 @@ def main() -> int:
     parser = runner_parser(__doc__.split("\n")[0], ("alone", "arctic"), tuple(COMPUTE))
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="alone: OMP_NUM_THREADS for verl's Ray workers (Ray's default is 1)")
+    parser.add_argument("--diagnostic", action="append", default=[], choices=DIAGNOSTICS,
+                        help="alone: apply this diagnostic patch (not verl as shipped: verl_alone_patches.DIAGNOSTICS)")
     args = parser.parse_args()
 
     shape = shape_from_json(args.shape)
@@ -166,7 +175,7 @@ def main() -> int:
     else:
         # A Ray cluster of its own, in a short folder: its socket paths must stay within AF_UNIX's 107 bytes.
         ray_tmp = tempfile.mkdtemp(prefix="ray-alone-")
-        head, (tail, alone_env) = [], alone(shape, ray_tmp, args.threads, args.dtype)
+        head, (tail, alone_env) = [], alone(shape, ray_tmp, args.threads, args.dtype, tuple(args.diagnostic))
         env.update(alone_env)
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *head, *algorithm(shape, args.steps, args.work, args.model),
                *tail, *args.override]
@@ -189,6 +198,7 @@ def main() -> int:
               "steps": steps, "command": command[1:], **lengths}
     if args.column == "alone":  # what each process applied, as the patches printed it
         result["patches_applied"] = sorted(set(re.findall(r"\[verl-alone patches\] pid=\d+ applied=(\[.*?\])", log)))
+        result["diagnostics"] = args.diagnostic
     return report(result, log, args.steps)
 
 

@@ -222,11 +222,102 @@ PATCHES = (
 )
 
 
+# -- Diagnostics: verl alone with its CPU fallbacks replaced by what its GPU path computes. Not the alone column. ----
+#
+# On a GPU verl takes log-probs from flash-attn's cross-entropy kernel and attends packed rows with flash-attn's varlen
+# kernel (use_remove_padding). Neither exists on a CPU, and verl's fallbacks cost time there that a GPU user never
+# pays. Each diagnostic replaces one fallback with a vectorised equivalent, exact for what verl reads, so the bench can
+# measure how much of alone's time is the CPU's (`bench frameworks --alone-diagnostic`). A run with any of them is
+# reported as such, never as verl alone.
+
+DIAGNOSTICS_ENV = "VERL_ALONE_DIAGNOSTICS"
+"""Comma-separated ids (D1, D2) of the diagnostics to apply in every process; unset: none (verl alone)."""
+
+
+def logprobs_vectorised(logits, labels):
+    """verl's logprobs_from_logits_v2 without its loop over rows: one log-sum-exp over the whole [..., V] tensor.
+    The same arithmetic per row (fp32: label logit minus log-sum-exp; 16 bits: log-softmax, then the label's)."""
+    import torch
+
+    if logits.dtype in (torch.float32, torch.float64):
+        return torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def _vectorised_logprobs() -> None:
+    def replace(module) -> None:
+        module.logprobs_from_logits_v2 = logprobs_vectorised  # logprobs_from_logits looks it up per call
+
+    module = "verl.utils.torch_functional"
+    if module in sys.modules:
+        replace(sys.modules[module])
+    else:
+        sys.meta_path.insert(0, AfterImport(module, replace))
+
+
+def right_padded_only(padding_mask) -> bool:
+    """Every row's real tokens first, then its padding (no padding token before a real one)."""
+    import torch
+
+    mask = padding_mask.bool()
+    return bool(torch.all(mask[:, 1:] <= mask[:, :-1]))
+
+
+def _causal_sdpa_for_right_padding(module) -> None:
+    original = module._ignore_causal_mask_sdpa
+
+    def _ignore_causal_mask_sdpa(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size=None):
+        if original(padding_mask, q_length, kv_length, q_offset, kv_offset, local_attention_size):
+            return True
+        # A full forward (no cache) of right-padded rows: under `is_causal` a real token sees only the real tokens
+        # before it, as under the dense mask. Only the padding's own rows differ, and verl drops them.
+        return (padding_mask is not None and local_attention_size is None and q_offset == 0 and kv_offset == 0
+                and q_length == kv_length == padding_mask.shape[-1] and right_padded_only(padding_mask))
+
+    module._ignore_causal_mask_sdpa = _ignore_causal_mask_sdpa  # sdpa_mask looks it up per call
+
+
+def _causal_sdpa() -> None:
+    module = "transformers.masking_utils"
+    if module in sys.modules:
+        _causal_sdpa_for_right_padding(sys.modules[module])
+    else:
+        sys.meta_path.insert(0, AfterImport(module, _causal_sdpa_for_right_padding))
+
+
+DIAGNOSTICS = (
+    AlonePatch(
+        "D1 vectorised-logprobs",
+        why="without flash-attn (a GPU's log-prob kernel) verl computes each token's log-prob in a Python loop over "
+            "the unpadded tokens (logprobs_from_logits_v2: one logsumexp call a token, 36K a step here), forward and "
+            "backward",
+        timing="changes the timing on purpose: one call over all tokens, the same arithmetic per token",
+        needed=lambda: True, apply=_vectorised_logprobs),
+    AlonePatch(
+        "D2 causal-sdpa",
+        why="without flash-attn's varlen kernel (use_remove_padding) verl right-pads its rows and hands transformers "
+            "their padding mask, which becomes a dense [B, 1, L, L] SDPA mask: ATen's CPU flash kernel then computes "
+            "every block, the causal half it could skip included",
+        timing="changes the timing on purpose: SDPA with is_causal for right-padded rows, exact for every real token",
+        needed=lambda: True, apply=_causal_sdpa),
+)
+
+
 def listing() -> list[dict[str, str]]:
     return alone_patching.listing(PATCHES)
 
 
+def diagnostics_named(ids: str) -> list[AlonePatch]:
+    """The diagnostics a comma-separated list of ids names; an unknown id is an error."""
+    known = {patch.name.split()[0]: patch for patch in DIAGNOSTICS}
+    wanted = [i.strip() for i in ids.split(",") if i.strip()]
+    unknown = [i for i in wanted if i not in known]
+    if unknown:
+        raise ValueError(f"{DIAGNOSTICS_ENV} names unknown diagnostics {unknown}; known: {sorted(known)}")
+    return [known[i] for i in wanted]
+
+
 if __name__ != "__main__" and os.environ.get("VERL_USE_EXTERNAL_MODULES") == __name__:
-    for _patch in PATCHES:
+    for _patch in (*PATCHES, *diagnostics_named(os.environ.get(DIAGNOSTICS_ENV, ""))):
         apply(_patch)
     print(f"[verl-alone patches] pid={os.getpid()} applied={APPLIED}", file=sys.stderr, flush=True)
