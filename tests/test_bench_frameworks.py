@@ -286,17 +286,20 @@ def test_the_pause_keyword_patch_renames_verls_argument_once_vllm_is_imported(mo
         "    async def pause_generation(self, *, mode='abort', clear_cache=True):\n"
         "        return mode, clear_cache\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    seen = []
-    finder = patches.AfterImport("late_engine", lambda module: seen.append(module) or
-                                  patches._pause_generation_takes_verls_keyword(module))
-    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # the hook is undone with the test
+    monkeypatch.setattr(patches, "ASYNC_LLM", "late_engine")
+    patches._vllm_pause_keyword()  # before the module is imported: it waits for the import
+    assert "late_engine" not in sys.modules
     import late_engine  # imported later than the patch, as vLLM is in verl's server actor
 
-    assert seen == [late_engine] and finder not in sys.meta_path
+    assert not any(getattr(finder, "name", None) == "late_engine" for finder in sys.meta_path)  # spent
     engine = late_engine.AsyncLLM()
     assert asyncio.run(engine.pause_generation(wait_for_inflight_requests=False, clear_cache=False)) == ("abort", False)
     assert asyncio.run(engine.pause_generation(wait_for_inflight_requests=True)) == ("wait", True)
     assert asyncio.run(engine.pause_generation(mode="keep")) == ("keep", True)
+    wrapped = late_engine.AsyncLLM.pause_generation
+    patches._vllm_pause_keyword()  # once imported, at once: verl's keyword is there already, nothing wraps it again
+    assert late_engine.AsyncLLM.pause_generation is wrapped
 
     class Newer:  # a vLLM that takes verl's keyword is left as it is
         async def pause_generation(self, *, wait_for_inflight_requests=True):

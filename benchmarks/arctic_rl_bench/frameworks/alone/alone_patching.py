@@ -74,6 +74,14 @@ class AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def when_imported(name: str, then: Callable) -> None:
+    """`then(module)` on the module `name`: now if this process has imported it, else once it first does."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, AfterImport(name, then))
+
+
 class BeforeImport(importlib.abc.MetaPathFinder):
     """Calls `then()` once, just before the module `name` is first imported in this process: for a patch that must
     be in place before that module's own imports bind names from the module it patches."""

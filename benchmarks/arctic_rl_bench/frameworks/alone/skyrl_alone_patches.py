@@ -19,7 +19,7 @@ import os
 import sys
 
 import alone_patching
-from alone_patching import APPLIED, AfterImport, AlonePatch, AppliedTwice, BeforeImport, apply  # noqa: F401 (the API)
+from alone_patching import APPLIED, AlonePatch, AppliedTwice, BeforeImport, apply, when_imported  # noqa: F401 (the API)
 
 TAG = "[skyrl-alone patches]"
 MODEL_WRAPPER = "skyrl.backends.skyrl_train.workers.model_wrapper"
@@ -76,10 +76,7 @@ def _router_args_without_pd(module) -> None:
 
 
 def _router_pd_flag() -> None:
-    if ROUTER_ARGS in sys.modules:
-        _router_args_without_pd(sys.modules[ROUTER_ARGS])
-    else:
-        sys.meta_path.insert(0, AfterImport(ROUTER_ARGS, _router_args_without_pd))
+    when_imported(ROUTER_ARGS, _router_args_without_pd)
 
 
 # -- S3: torch.cuda's calls in SkyRL's worker processes, answered for the CPU ------------------------------------------

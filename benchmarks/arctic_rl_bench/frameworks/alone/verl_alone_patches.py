@@ -17,7 +17,7 @@ import sys
 from contextlib import contextmanager
 
 import alone_patching
-from alone_patching import APPLIED, AfterImport, AlonePatch, AppliedTwice, apply, no_gpu  # noqa: F401 (the API)
+from alone_patching import APPLIED, AlonePatch, AppliedTwice, apply, no_gpu, when_imported  # noqa: F401 (the API)
 
 
 # -- P1: a CPU platform --------------------------------------------------------------------------------------
@@ -185,10 +185,7 @@ def _pause_generation_takes_verls_keyword(module) -> None:
 
 
 def _vllm_pause_keyword() -> None:
-    if ASYNC_LLM in sys.modules:
-        _pause_generation_takes_verls_keyword(sys.modules[ASYNC_LLM])
-    else:
-        sys.meta_path.insert(0, AfterImport(ASYNC_LLM, _pause_generation_takes_verls_keyword))
+    when_imported(ASYNC_LLM, _pause_generation_takes_verls_keyword)
 
 
 PATCHES = (
@@ -248,11 +245,7 @@ def _vectorised_logprobs() -> None:
     def replace(module) -> None:
         module.logprobs_from_logits_v2 = logprobs_vectorised  # logprobs_from_logits looks it up per call
 
-    module = "verl.utils.torch_functional"
-    if module in sys.modules:
-        replace(sys.modules[module])
-    else:
-        sys.meta_path.insert(0, AfterImport(module, replace))
+    when_imported("verl.utils.torch_functional", replace)
 
 
 def right_padded_only(padding_mask) -> bool:
@@ -278,11 +271,7 @@ def _causal_sdpa_for_right_padding(module) -> None:
 
 
 def _causal_sdpa() -> None:
-    module = "transformers.masking_utils"
-    if module in sys.modules:
-        _causal_sdpa_for_right_padding(sys.modules[module])
-    else:
-        sys.meta_path.insert(0, AfterImport(module, _causal_sdpa_for_right_padding))
+    when_imported("transformers.masking_utils", _causal_sdpa_for_right_padding)
 
 
 DIAGNOSTICS = (
