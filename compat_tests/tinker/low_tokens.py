@@ -64,10 +64,10 @@ class LowTokensBuilder(RLDatasetBuilder):
         return LowTokensDataset(self.batches, self.groups, self.group_size), None
 
 
-def rl_config(url: str, model: str, log_path: Path, learning_rate: float) -> rl_train.Config:
-    return rl_train.Config(learning_rate=learning_rate, dataset_builder=LowTokensBuilder(), model_name=model,
-                           recipe_name="arctic_rl_compat", max_tokens=12, log_path=str(log_path), base_url=url,
-                           eval_every=0, save_every=0, lora_rank=32)
+def rl_config(url: str, model: str, log_path: Path, learning_rate: float, batches: int = 10) -> rl_train.Config:
+    return rl_train.Config(learning_rate=learning_rate, dataset_builder=LowTokensBuilder(batches=batches),
+                           model_name=model, recipe_name="arctic_rl_compat", max_tokens=12, log_path=str(log_path),
+                           base_url=url, eval_every=0, save_every=0, lora_rank=32)
 
 
 def metrics(log_path: Path) -> list[dict]:

@@ -43,11 +43,14 @@ def server(tiny_model, tmp_path):
 
 
 def test_cookbook_rl_loop_raises_the_reward(server, tiny_model, tmp_path):
-    asyncio.run(rl_train.main(rl_config(server, tiny_model, tmp_path / "rl", learning_rate=2e-2)))
+    asyncio.run(rl_train.main(rl_config(server, tiny_model, tmp_path / "rl", learning_rate=2e-2, batches=12)))
     rewards = rl_rewards(tmp_path / "rl")
-    assert len(rewards) == 10, rewards
-    # From about 0.5 (a random model's share) to about 0.8 in three runs; the bound leaves room for sampling's luck.
-    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
+    assert len(rewards) == 12, rewards
+    # From about 0.5 (a random model's share): the first steps sample the same tokens in every run, then the samples
+    # depend on which requests vLLM batched together, which depends on the machine's load. At step 10 three runs read
+    # 0.68 (under CI's load), 0.91 and 0.95. A run that learns nothing stays within about 0.05 of 0.5 (steps 0-3 of
+    # every run), so the last three steps' mean must rise by 0.1 over the first three's.
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
 
 
 TENANTS = 3
