@@ -4,6 +4,10 @@ import pytest
 from hypothesis import settings
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray starts its workers at nice 15, below every other process of the machine: the Ray scenarios' ranks and
+# replicas would wait behind the other test worker and CI's environment builds (.ci/run), and the suite's longest
+# group (one Ray cluster at a time, on one worker) would run last.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # Without a GPU the Triton kernels' parity tests run under Triton's interpreter, which reads this when a kernel
 # is defined and when it runs. (vLLM's CPU build does not use this Triton, which has no CPU backend.)
 if not os.path.exists("/dev/nvidia0"):

@@ -16,7 +16,9 @@ import os
 import httpx
 import pytest
 
-pytestmark = pytest.mark.scenario
+# One worker runs the whole file: `make scenarios` deals ungrouped tests one by one, and each worker that got one
+# would start both servers of the module's fixture (about 100 s each on a 2-core CI machine).
+pytestmark = [pytest.mark.scenario, pytest.mark.xdist_group("vllm_serve_parity")]
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}}}]
