@@ -32,7 +32,8 @@ test: install
 
 # Multi-process, Ray and framework scenarios: slower, kept out of `make test`; CI runs them too. Each spends most
 # of its time starting processes on one core: two workers share them, the Ray ones on one worker (their
-# `xdist_group`) so one Ray cluster runs at a time (SCENARIO_WORKERS=0: one process, in order).
+# `xdist_group`) so one Ray cluster runs at a time, and a file whose fixture starts servers once for the module on
+# one worker too (SCENARIO_WORKERS=0: one process, in order).
 SCENARIO_WORKERS ?= 2
 scenarios: install
 	$(VENV)/bin/python -m pytest -q -m scenario $(if $(filter 0,$(SCENARIO_WORKERS)),,-n $(SCENARIO_WORKERS) --dist loadgroup)
