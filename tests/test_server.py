@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -240,6 +241,43 @@ def test_serve_command_line(tiny_model, tmp_path):
         proc.kill()
     refused = subprocess.run([cli, "serve", "--host", "0.0.0.0", "--port", str(port)], env=env, capture_output=True, text=True)
     assert refused.returncode != 0 and "needs a token" in refused.stderr
+
+
+# `arctic-rl serve` with its job's close recorded in a file (the server and the signal are real).
+_SERVE_RECORDING_CLOSE = """
+import sys
+import arctic_rl_core.server.run as run
+from arctic_rl_core.cli import main
+
+real, record = run.close_job, sys.argv.pop(1)
+run.close_job = lambda server: (real(server), open(record, "w").write("closed"))
+sys.exit(main())
+"""
+
+
+def test_serve_stopped_by_sigterm_closes_its_job_then_ends_by_the_signal(tmp_path):
+    """What a job started outside the server's process (a sampler's engine core of its own, Ray actors) is stopped
+    by the job's close. uvicorn raises SIGTERM again under the handler it found once it has shut down: under the
+    default one the process ended there, before the close."""
+    port, record = free_loopback_port(), tmp_path / "closed"
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_RECORDING_CLOSE, str(record), "serve", "--port", str(port),
+                             "--checkpoint-dir", str(tmp_path / "checkpoints")], env=standalone_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = ArcticRLClient(f"http://127.0.0.1:{port}", retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.status()
+                break
+            except BackendUnavailable:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stdout.read()
+        assert record.read_text() == "closed"
+    finally:
+        proc.kill()
 
 
 def test_status_reports_the_model_shape_and_what_was_generated(server, tiny_model):

@@ -92,6 +92,11 @@ def sync(model_dir, sync_path, placement, layout):
     from arctic_rl_core.patches import applied
 
     result["patches"] = {row["patch"].split(": ")[-1]: row["active"] for row in applied()}
+    import psutil
+
+    api.close()  # an engine core in a process of its own ends with the sampler, not with this process
+    result["processes_after_close"] = [p.name() for p in psutil.Process().children(recursive=True)
+                                       if p.status() != psutil.STATUS_ZOMBIE and "VLLM" in p.name()]
     return result
 
 

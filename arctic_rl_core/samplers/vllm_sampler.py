@@ -458,5 +458,10 @@ class VLLMSampler(Sampler):
 
     def close(self) -> None:
         self._loop.close()
+        # An engine core in a process of its own stops now, not when this process exits (and not at all where a
+        # signal ends it). One in this process is left as it is: its shutdown tears down torch.distributed, which
+        # the trainer's engine holds.
+        if self.config.placement == "subprocess":
+            self.llm.llm_engine.engine_core.shutdown()
         if self._remove_sync_dir is not None:
             self._remove_sync_dir()

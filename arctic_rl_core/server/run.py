@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -123,8 +124,29 @@ def main(args) -> int:
     server = build_server(settings, config)
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)
+    # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: under the default one
+    # the process would die there, before `close_job`, and a sampler's engine core in a process of its own (or a
+    # temporary checkpoint directory) would outlive it. This one ends the server's run; the process, its job closed,
+    # then ends by the signal, as a supervisor expects.
+    signal.signal(signal.SIGTERM, _stop)
+    stopped_by = None
     try:
         server.run()
+    except _Stopped as stopped:
+        stopped_by = stopped.signum
     finally:
         close_job(server)
+    if stopped_by is not None:
+        signal.signal(stopped_by, signal.SIG_DFL)
+        signal.raise_signal(stopped_by)
     return 0
+
+
+class _Stopped(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame) -> None:
+    raise _Stopped(signum)
