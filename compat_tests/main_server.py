@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,14 +36,16 @@ def make_tiny_model(path: str, *args: str) -> str:
 
 
 @contextmanager
-def serving(job: dict, work: Path, *args: str, start_timeout_s: float = 300):
-    """The server's URL once it has loaded `job` (a BackendConfig); its log is `work/server.log`."""
+def serving(job: dict, work: Path, *args: str, start_timeout_s: float = 300, env: dict[str, str] | None = None,
+            on_loaded: Callable[[subprocess.Popen], None] | None = None):
+    """The server's URL once it has loaded `job` (a BackendConfig); its log is `work/server.log`. `env`: variables
+    for the server beside this process's; `on_loaded`: called with the server's process once the job is loaded."""
     (work / "job.yaml").write_text(json.dumps(job))
     port = free_port()
     with open(work / "server.log", "w") as log:
         proc = subprocess.Popen([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "serve", "--port", str(port), "--config",
                                  str(work / "job.yaml"), *args], stdout=log, stderr=subprocess.STDOUT, cwd=work,
-                                env=main_env())
+                                env={**main_env(), **(env or {})})
         url = f"http://127.0.0.1:{port}"
         deadline = time.time() + start_timeout_s
         try:
@@ -57,6 +60,8 @@ def serving(job: dict, work: Path, *args: str, start_timeout_s: float = 300):
                 if time.time() > deadline:
                     raise RuntimeError(f"arctic-rl serve did not load its job in time; see {log.name}")
                 time.sleep(1)
+            if on_loaded is not None:
+                on_loaded(proc)
             yield url
         finally:
             proc.terminate()

@@ -126,7 +126,7 @@ def test_a_mode_sets_every_column_and_the_alone_tuning_only_alone(tmp_path, monk
     commands = []
     monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
     monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides, dtype,
-                        diagnostics: commands.append((fw.name, column, overrides)) or {"error": "not run here"})
+                        diagnostics, placement: commands.append((fw.name, column, overrides)) or {"error": "not run here"})
     result = bench.run(["verl", "primerl"], ["prompt-heavy"], ["alone", "zorro-off", "zorro-on"], rounds=1, steps=2,
                        alone_overrides=["tuned=1"], work=tmp_path, log=lambda *_: None, mode=mode)
     verl = list(bench.FRAMEWORKS["verl"].modes[mode])
@@ -455,7 +455,7 @@ def test_a_dtype_trains_every_column_in_it_and_generation_stays_fp32(tmp_path, m
     monkeypatch.setitem(bench.FRAMEWORKS, "verl", dataclasses.replace(bench.FRAMEWORKS["verl"], dtypes=("float32",)))
     monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
     monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides, dtype,
-                        diagnostics: seen.append((fw.name, column, dtype)) or {"error": "not run here"})
+                        diagnostics, placement: seen.append((fw.name, column, dtype)) or {"error": "not run here"})
     result = bench.run(["verl", "skyrl"], ["prompt-heavy"], ["alone", "zorro-off"], rounds=1, steps=2,
                        alone_overrides=[], work=tmp_path, log=lambda *_: None, dtype="bfloat16")
     assert seen == [("skyrl", "alone", "bfloat16"), ("skyrl", "zorro-off", "bfloat16")] and result["dtype"] == "bfloat16"
@@ -537,3 +537,102 @@ def test_skyrls_entry_point_runs_the_fully_async_trainer_where_asked(monkeypatch
 
     assert skyrl_sql.experiment(cfg(False)).get_trainer(cfg=None) == "synchronous"
     assert isinstance(skyrl_sql.experiment(cfg(True)).get_trainer(cfg=None, tracker=None), fully_async)
+
+
+def test_disaggregated_cores_give_generation_the_lower_half_and_the_trainer_the_rest():
+    split = bench.core_split({3, 0, 2, 1})
+    assert split == bench.CoreSplit(trainer=(2, 3), rollout=(0, 1))
+    assert bench.core_split([0, 1]) == bench.CoreSplit(trainer=(1,), rollout=(0,))
+    assert bench.core_split([4, 5, 6]).rollout == (4,)
+    # The server's trainer computes on its own cores' count of threads; vLLM binds its worker to generation's.
+    assert bench.core_split([0, 1, 2, 3]).server_env() == {"OMP_NUM_THREADS": "2", "VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    with pytest.raises(ValueError, match="--placement disaggregated: needs 2 cores"):
+        bench.core_split([0])
+    shared, apart = (bench.job(bench.FRAMEWORKS["primerl"], "/m", True, "float32", p) for p in bench.PLACEMENTS)
+    assert shared["sampler"]["placement"] == "in_process" and apart["sampler"]["placement"] == "subprocess"
+    assert bench.FRAMEWORKS["primerl"].job["sampler"].get("placement") is None  # the shared job is not changed
+
+
+def test_a_server_is_held_to_the_trainers_cores_and_every_process_below_it_to_generations(tmp_path):
+    """A real process tree: a parent (the server) with a thread, and a child it started (vLLM's engine core)."""
+    import os
+    import subprocess
+
+    cpus = sorted(os.sched_getaffinity(0))
+    split = bench.core_split(cpus)
+    ready = tmp_path / "ready"
+    script = ("import subprocess, sys, threading, time\n"
+              "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+              f"open({str(ready)!r}, 'w').close()\n"
+              "child.wait()\n")
+    server = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(200):
+            if ready.exists():
+                break
+            __import__("time").sleep(0.05)
+        placed = bench.pin_server(server.pid, split)
+        import psutil
+
+        (child,) = psutil.Process(server.pid).children()
+        assert len(psutil.Process(server.pid).threads()) == 2  # its own thread is held too
+        assert bench.process_cores(psutil.Process(server.pid)) == list(split.trainer)
+        assert bench.process_cores(child) == list(split.rollout)
+        assert placed == {f"{server.pid} {psutil.Process(server.pid).name()}": list(split.trainer),
+                          f"{child.pid} {child.name()}": list(split.rollout)}
+    finally:
+        for process in psutil.Process(server.pid).children():
+            process.kill()
+        server.kill()
+        server.wait()
+
+
+def test_a_placement_reaches_the_server_and_runner_where_the_framework_takes_it(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "environment", lambda script: sys.executable)
+    monkeypatch.setattr(bench, "run_column", lambda fw, column, shape, python, model, folder, steps, overrides, dtype,
+                        diagnostics, placement: seen.append((fw.name, column, placement)) or {"error": "not run here"})
+    result = bench.run(["verl", "primerl"], ["prompt-heavy"], ["alone", "zorro-off", "zorro-on"], rounds=1, steps=2,
+                       alone_overrides=[], work=tmp_path, log=lambda *_: None, mode="async", placement="disaggregated")
+    assert seen == [("primerl", "zorro-off", "disaggregated"), ("primerl", "zorro-on", "disaggregated")]
+    assert result["placement"] == "disaggregated"
+    assert "shared only" in result["frameworks"]["verl"]["placement_not_run"]
+    assert "verl disaggregated: not run" in bench.table(result)
+    # A framework's own engines alone are not placed: its alone column is reported, not run shared unnoticed.
+    monkeypatch.setitem(bench.FRAMEWORKS, "skyrl", dataclasses.replace(bench.FRAMEWORKS["skyrl"],
+                                                                      placements=bench.PLACEMENTS))
+    seen.clear()
+    result = bench.run(["skyrl"], ["prompt-heavy"], ["alone", "zorro-on"], rounds=1, steps=2, alone_overrides=[],
+                       work=tmp_path / "again", log=lambda *_: None, placement="disaggregated")
+    assert seen == [("skyrl", "zorro-on", "disaggregated")]
+    assert "through Arctic RL only" in result["frameworks"]["skyrl"]["column_not_run"]["alone"]
+
+
+def test_the_primerl_runner_holds_its_rollout_processes_and_its_trainer_to_their_cores(tmp_path, monkeypatch):
+    import os
+
+    runner = _runner("primerl_runner")
+    assert runner.cores("0,2") == {0, 2} and runner.cores(None) is None
+    assert set(runner.ROLES.values()) == {"rollout", "trainer"} and runner.ROLES["orchestrator"] == "rollout"
+    (rollout, *_), trainer = sorted(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    shape = json.dumps(dataclasses.asdict(SHAPES["prompt-heavy"]))
+    monkeypatch.setattr(sys, "argv", ["primerl_runner", "--column", "arctic", "--shape", shape, "--model", "m",
+                                      "--work", str(tmp_path), "--url", "u", "--rollout-cpus", "0"])
+    with pytest.raises(SystemExit):  # one without the other is refused
+        runner.main()
+    # The processes it starts: here a stand-in that reports its own cores.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("env-server", "orchestrator", "arctic-rl-primerl-trainer"):
+        (bin_dir / name).write_text(f"#!{sys.executable}\nimport os, time\n"
+                                    f"open(os.path.join(os.getcwd(), '{name}.cpus'), 'w').write("
+                                    "','.join(map(str, sorted(os.sched_getaffinity(0)))))\ntime.sleep(0.5)\n")
+        (bin_dir / name).chmod(0o755)
+    runner.BIN = bin_dir
+    codes, _, on_cores = runner.run(tmp_path, "m", "http://127.0.0.1:1", SHAPES["prompt-heavy"], 1, 1,
+                                    {"rollout": {rollout}, "trainer": {trainer}})
+    assert codes == {"orchestrator": 0, "trainer": 0}
+    assert (tmp_path / "orchestrator.cpus").read_text() == (tmp_path / "env-server.cpus").read_text() == str(rollout)
+    assert (tmp_path / "arctic-rl-primerl-trainer.cpus").read_text() == str(trainer)
+    assert on_cores == {"env": [rollout], "orchestrator": [rollout], "trainer": [trainer]}

@@ -7,6 +7,11 @@ framework's own per-step timings, loss, gradient norm and reward as JSON. Throug
 fresh `arctic-rl serve` whose job matches the framework's settings, ZoRRo as the column says; alone, nothing of
 Arctic RL is imported, and the patches that let the framework run on a CPU are listed (alone_patches.py).
 
+`--placement disaggregated` gives generation and training cores of their own, as a framework's own deployment gives
+its inference and its trainer GPUs of their own (`core_split`): the server's sampler runs in its own process
+(`sampler.placement: subprocess`), and it and the framework's rollout processes are held to one half of the cores,
+the server's trainer to the other. `shared` (the default) leaves every process on every core.
+
 Reported per framework, shape and column: medians of steps 2 and later (the first warms engines up) per phase,
 over all rounds; each phase's ratio alone / ZoRRo off and off / on, beside ZoRRo's dedup bound for the shape;
 the first step's loss and gradient norm per column; the reward per step. Not run in CI (minutes per run).
@@ -29,6 +34,7 @@ from arctic_rl_bench.frameworks.workload import MODEL, SHAPES, shape_json
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 COLUMNS = ("alone", "zorro-off", "zorro-on")
+PLACEMENTS = ("shared", "disaggregated")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class Framework:
     dtypes: tuple[str, ...] = ("float32",)
     """The training dtypes its runner's alone column is set up for (its `--dtype`); through Arctic RL the job's
     engine computes in the same one. Generation stays fp32 in every column."""
+    placements: tuple[str, ...] = ("shared",)
+    """How its runner can place the framework's processes (PLACEMENTS): `disaggregated` needs a runner that holds
+    its rollout processes to generation's cores (`--rollout-cpus`) and its trainer process to the trainer's."""
     diagnostics: tuple[str, ...] = ()
     """Diagnostic patches its runner's alone column takes (`--alone-diagnostic`): the framework with a CPU fallback
     replaced by what its GPU path computes, to measure that fallback's cost. A run with one is not the framework alone."""
@@ -102,6 +111,8 @@ FRAMEWORKS = {
                       "places (rl/train.py, trainer/utils.py, model.py), with Muon imported from the git-only dion",
         # The orchestrator generates the next step's rollouts while the trainer trains, one step stale at most.
         modes={"async": ("max_off_policy_steps=1",)},
+        # prime-rl's own deployment: inference servers and the trainer on GPUs of their own.
+        placements=("shared", "disaggregated"),
         mode_not_run={"sync": "prime-rl 0.8's orchestrator has no synchronous mode: at max_off_policy_steps = 0 it "
                               "still generates while the trainer trains and drops what each update makes stale "
                               "(measured here: steps of 22.9 s ZoRRo off and 15.0 s on, against 13.1 and 9.2 s at 1)"}),
@@ -116,27 +127,95 @@ def environment(script: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def job(framework: Framework, model: str, zorro: bool, dtype: str) -> dict:
+def job(framework: Framework, model: str, zorro: bool, dtype: str, placement: str = "shared") -> dict:
     """The server's job for a column through Arctic RL: the engine trains in `dtype`; the sampler generates in fp32,
-    as every column's vLLM does."""
+    as every column's vLLM does, in the server's process (`shared`) or in its own (`disaggregated`)."""
     spec = {**framework.job, "model_path": model, "zorro": {"enable": zorro}}
     spec["engine"] = {**spec.get("engine", {}), "dtype": dtype}
-    spec["sampler"] = {**spec.get("sampler", {}), "dtype": "float32"}
+    spec["sampler"] = {**spec.get("sampler", {}), "dtype": "float32",
+                       "placement": "subprocess" if placement == "disaggregated" else "in_process"}
     return spec
 
 
+@dataclass(frozen=True)
+class CoreSplit:
+    trainer: tuple[int, ...]
+    rollout: tuple[int, ...]
+    """Generation's: the sampler's processes and the framework's rollout processes."""
+
+    def server_env(self) -> dict[str, str]:
+        """The server's trainer computes on as many threads as it has cores; vLLM binds its worker's threads to
+        generation's cores itself (its `VLLM_CPU_OMP_THREADS_BIND`)."""
+        return {"OMP_NUM_THREADS": str(len(self.trainer)), "VLLM_CPU_OMP_THREADS_BIND": cpu_list(self.rollout)}
+
+
+def core_split(cpus) -> CoreSplit:
+    """`--placement disaggregated` on a CPU host: generation on the lower half of the cores this process may use,
+    the trainer on the rest (vLLM's own binding takes the lowest cores first)."""
+    cpus = sorted(cpus)
+    if len(cpus) < 2:
+        raise ValueError(f"--placement disaggregated: needs 2 cores or more, this process may use {len(cpus)}")
+    half = len(cpus) // 2
+    return CoreSplit(trainer=tuple(cpus[half:]), rollout=tuple(cpus[:half]))
+
+
+def cpu_list(cpus) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def process_cores(process) -> list[int]:
+    """The cores any of a process's threads may run on (a psutil.Process)."""
+    cores: set[int] = set()
+    for thread in process.threads():
+        try:
+            cores |= os.sched_getaffinity(thread.id)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+    return sorted(cores)
+
+
+def hold_threads(process, cpus) -> None:
+    """Every thread of `process` to `cpus`: the threads it starts later inherit them from their starter."""
+    for thread in process.threads():
+        try:
+            os.sched_setaffinity(thread.id, cpus)
+        except ProcessLookupError:
+            pass
+
+
+def pin_server(pid: int, split: CoreSplit) -> dict[str, list[int]]:
+    """A loaded server's own threads (the trainer's, with the routes') to the trainer's cores, and every process
+    below it (vLLM's engine core and workers) to generation's, but one vLLM already bound within them, whose
+    per-thread binding stays. Returns each process's cores as read back, by pid and name."""
+    import psutil
+
+    server = psutil.Process(pid)
+    hold_threads(server, split.trainer)
+    for child in server.children(recursive=True):
+        if not set(process_cores(child)) <= set(split.rollout):
+            hold_threads(child, split.rollout)
+    return {f"{p.pid} {p.name()}": process_cores(p) for p in [server, *server.children(recursive=True)]}
+
+
 @contextmanager
-def arctic_server(spec: dict, work: Path):
+def arctic_server(spec: dict, work: Path, split: CoreSplit | None = None, placed: dict | None = None):
+    """`split`: the server's trainer and sampler held to their cores once it has loaded its job; what each of its
+    processes was held to goes into `placed`."""
     if str(ROOT) not in sys.path:  # the compat tests' server helper, from the repository
         sys.path.insert(0, str(ROOT))
     from compat_tests.main_server import serving
 
-    with serving(spec, work) as url:
+    def loaded(proc) -> None:
+        if split is not None:
+            placed.update(pin_server(proc.pid, split))
+
+    with serving(spec, work, env=split.server_env() if split else None, on_loaded=loaded) as url:
         yield url
 
 
 def run_column(framework: Framework, column: str, shape_name: str, python: str, model: str, work: Path,
-               steps: int, overrides: list[str], dtype: str = "float32", diagnostics: tuple[str, ...] = ()) -> dict:
+               steps: int, overrides: list[str], dtype: str = "float32", diagnostics: tuple[str, ...] = (),
+               placement: str = "shared") -> dict:
     shape = shape_json(SHAPES[shape_name])
     command = [python, str(HERE / framework.runner), "--column", "alone" if column == "alone" else "arctic",
                "--shape", shape, "--model", model, "--work", str(work / "run"), "--steps", str(steps),
@@ -154,12 +233,20 @@ def run_column(framework: Framework, column: str, shape_name: str, python: str, 
 
     if column == "alone":
         return go([])
+    split, placed = (core_split(os.sched_getaffinity(0)) if placement == "disaggregated" else None), {}
+    if split is not None:
+        command += ["--trainer-cpus", cpu_list(split.trainer), "--rollout-cpus", cpu_list(split.rollout)]
     (work / "server").mkdir(parents=True)
     try:
-        with arctic_server(job(framework, model, column == "zorro-on", dtype), work / "server") as url:
-            return go(["--url", url])
+        with arctic_server(job(framework, model, column == "zorro-on", dtype, placement), work / "server", split,
+                           placed) as url:
+            out = go(["--url", url])
     except RuntimeError as err:  # the server did not start: this run fails, the bench goes on
         return {"error": str(err)}
+    if split is not None:
+        out["placement"] = {"trainer_cpus": list(split.trainer), "rollout_cpus": list(split.rollout),
+                            "server_processes": placed}
+    return out
 
 
 def phase_medians(runs: list[dict], phases: tuple[str, ...], key: str = "seconds") -> dict[str, float | None]:
@@ -209,7 +296,7 @@ def summarise(framework: Framework, shape_name: str, runs: dict[str, list[dict]]
 
 def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, steps: int,
         alone_overrides: list[str], work: Path, log=print, mode: str = "sync", dtype: str = "float32",
-        diagnostics: tuple[str, ...] = ()) -> dict:
+        diagnostics: tuple[str, ...] = (), placement: str = "shared") -> dict:
     """`diagnostics`: patches for the alone column (Framework.diagnostics); a run with any is reported as such."""
     from arctic_rl_core.models.tiny import make_tiny_model
 
@@ -223,8 +310,8 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                     kv_heads=MODEL["kv_heads"], vocab_size=MODEL["vocab_size"], max_positions=MODEL["max_positions"],
                     shape={"intermediate": MODEL["intermediate"]})
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    result = {"benchmark": "frameworks", "model": MODEL, "mode": mode, "dtype": dtype, "rounds": rounds, "steps": steps,
-              "alone_diagnostics": list(diagnostics), "frameworks": {}}
+    result = {"benchmark": "frameworks", "model": MODEL, "mode": mode, "dtype": dtype, "placement": placement,
+              "rounds": rounds, "steps": steps, "alone_diagnostics": list(diagnostics), "frameworks": {}}
     for name in names:
         framework = FRAMEWORKS[name]
         entry: dict = {"alone_not_run": framework.alone_not_run} if framework.alone_not_run else {}
@@ -237,8 +324,15 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
             entry["dtype_not_run"] = (f"its runner's alone column is set up to train in {', '.join(framework.dtypes)} "
                                       f"only")
             continue
+        if placement not in framework.placements:
+            entry["placement_not_run"] = (f"its runner places the framework's processes {', '.join(framework.placements)}"
+                                          " only (Framework.placements)")
+            continue
         entry["mode_settings"] = list(framework.modes[mode])
         wanted = [c for c in columns if not (c == "alone" and framework.alone_not_run)]
+        if placement != "shared" and "alone" in wanted:  # its own engines, which no runner places
+            entry.setdefault("column_not_run", {})["alone"] = f"{placement} placement is set up through Arctic RL only"
+            wanted.remove("alone")
         pythons = {}
         for column in wanted:
             script = framework.alone_env if column == "alone" else framework.arctic_env
@@ -255,7 +349,7 @@ def run(names: list[str], shapes: list[str], columns: list[str], rounds: int, st
                     folder = work / f"{name}-{shape_name}-{column}-{r}"
                     overrides = [*framework.modes[mode], *(alone_overrides if column == "alone" else [])]
                     out = run_column(framework, column, shape_name, pythons[column], model, folder, steps, overrides,
-                                     dtype, diagnostics)
+                                     dtype, diagnostics, placement=placement)
                     runs[column].append(out)
                     seconds = phase_medians([out], framework.phases)
                     log(f"{name} {shape_name} round {r} {column}: " + (
@@ -270,7 +364,8 @@ def table(result: dict) -> str:
     for name, entry in result["frameworks"].items():
         for shape_name, s in entry["shapes"].items():
             columns = list(s["seconds"])
-            lines.append(f"\n{name} {result.get('mode', 'sync')}, {result.get('dtype', 'float32')}, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
+            lines.append(f"\n{name} {result.get('mode', 'sync')}, {result.get('dtype', 'float32')}, "
+                         f"{result.get('placement', 'shared')} cores, {shape_name} (P={s['prompt_tokens']}, R={s['response_tokens']}, "
                          f"G={s['samples_per_prompt']}, {s['prompts_per_step']} prompts a step); dedup bound "
                          f"{s['dedup_bound']:.2f}x in positions, {s['compute_bound']:.2f}x in multiply-adds")
             if result.get("alone_diagnostics") and "alone" in columns:
@@ -296,6 +391,8 @@ def table(result: dict) -> str:
             lines.append(f"{name} {result.get('mode', 'sync')}: not run: {entry['mode_not_run']}")
         if "dtype_not_run" in entry:
             lines.append(f"{name} in {result.get('dtype', 'float32')}: not run: {entry['dtype_not_run']}")
+        if "placement_not_run" in entry:
+            lines.append(f"{name} {result.get('placement')}: not run: {entry['placement_not_run']}")
         if "alone_not_run" in entry:
             lines.append(f"{name} alone: not run: {entry['alone_not_run']}")
     return "\n".join(lines)
@@ -340,6 +437,9 @@ def add_arguments(p) -> None:
                    help="each framework's synchronous trainer, or its own asynchronous one (Framework.modes)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the dtype every column trains in (generation stays fp32; Framework.dtypes)")
+    p.add_argument("--placement", choices=PLACEMENTS, default="shared",
+                   help="every process on every core, or generation and the trainer on cores of their own "
+                        "(Framework.placements)")
     p.add_argument("--rounds", type=int, default=2, help="runs per column; the order alternates")
     p.add_argument("--steps", type=int, default=6, help="steps per run; the first is left out of the medians")
     p.add_argument("--alone-override", action="append", default=[],
@@ -359,7 +459,7 @@ def main(args) -> int:
         work.mkdir(parents=True, exist_ok=True)
         result = run(args.framework or list(FRAMEWORKS), args.shape or list(SHAPES), args.column or list(COLUMNS),
                      args.rounds, args.steps, args.alone_override, work, mode=args.mode, dtype=args.dtype,
-                     diagnostics=tuple(args.alone_diagnostic))
+                     diagnostics=tuple(args.alone_diagnostic), placement=args.placement)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -6,7 +6,9 @@ prime-rl alone is not run (bench.py says why). The workload is the other columns
 and reward). prime-rl's trainer has no separate log-prob pass: its loss takes the sampler's log-probs as the old
 policy's, so ZoRRo shortens the update alone. Its orchestrator's staleness bound is an `--override`
 (`max_off_policy_steps=N`, the one setting taken): 0 trains each step on rollouts of the weights before it, 1 lets
-the orchestrator run ahead by a step; the trainer's `wait` is the generation it did not hide.
+the orchestrator run ahead by a step; the trainer's `wait` is the generation it did not hide. With `--rollout-cpus`
+and `--trainer-cpus` (bench's `--placement disaggregated`) the env server and the orchestrator run on generation's
+cores, the trainer process on the trainer's, as prime-rl deploys its inference and its trainer apart.
 """
 
 from __future__ import annotations
@@ -83,8 +85,19 @@ def configs(work: Path, model: str, url: str, shape, steps: int, off_policy: int
     return paths
 
 
-def run(work: Path, model: str, url: str, shape, steps: int, off_policy: int) -> tuple[dict[str, int | None], float]:
-    """The three processes until the orchestrator and the trainer end; their exit codes and the wall time."""
+ROLES = {"env": "rollout", "orchestrator": "rollout", "trainer": "trainer"}
+"""Which cores each process runs on where the bench places them apart (the trainer process is the client of the
+server's trainer)."""
+
+
+def cores(text: str | None) -> set[int] | None:
+    return None if text is None else {int(c) for c in text.split(",")}
+
+
+def run(work: Path, model: str, url: str, shape, steps: int, off_policy: int,
+        placed: dict[str, set[int]] | None = None) -> tuple[dict[str, int | None], float, dict[str, list[int]]]:
+    """The three processes until the orchestrator and the trainer end; their exit codes, the wall time, and where
+    `placed` (role -> cores) held them, each process's cores as read back."""
     paths = configs(work, model, url, shape, steps, off_policy)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1",
            "ARCTIC_RL_BENCH_PROMPTS": str(work / "prompts.json"),
@@ -92,16 +105,24 @@ def run(work: Path, model: str, url: str, shape, steps: int, off_policy: int) ->
     commands = {"env": [BIN / "env-server", "@", paths["env"]],
                 "orchestrator": [BIN / "orchestrator", "@", paths["orchestrator"]],
                 "trainer": [BIN / "arctic-rl-primerl-trainer", "--arctic-rl-url", url, "@", paths["trainer"]]}
+    def held(name: str):
+        if placed is None:
+            return None
+        return lambda: os.sched_setaffinity(0, placed[ROLES[name]])
+
     started = time.perf_counter()
     procs = {name: subprocess.Popen(command, env=env, cwd=work, stdout=open(work / f"{name}.log", "w"),
-                                    stderr=subprocess.STDOUT) for name, command in commands.items()}
+                                    stderr=subprocess.STDOUT, preexec_fn=held(name))
+             for name, command in commands.items()}
+    on_cores = {name: sorted(os.sched_getaffinity(proc.pid)) for name, proc in procs.items()} if placed else {}
     deadline = time.time() + TIMEOUT_S
     try:
         while time.time() < deadline and any(procs[n].poll() is None for n in ("orchestrator", "trainer")):
             if any(procs[n].poll() not in (None, 0) for n in procs):
                 break
             time.sleep(1)
-        return {name: proc.poll() for name, proc in procs.items() if name != "env"}, time.perf_counter() - started
+        codes = {name: proc.poll() for name, proc in procs.items() if name != "env"}
+        return codes, time.perf_counter() - started, on_cores
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -131,7 +152,14 @@ def steps_from(out: Path) -> list[dict]:
 
 
 def main() -> int:
-    args = runner_parser(__doc__.split("\n")[0]).parse_args()
+    parser = runner_parser(__doc__.split("\n")[0])
+    parser.add_argument("--rollout-cpus", help="the env server's and the orchestrator's cores (comma-separated)")
+    parser.add_argument("--trainer-cpus", help="the trainer process's cores")
+    args = parser.parse_args()
+    if (args.rollout_cpus is None) != (args.trainer_cpus is None):
+        parser.error("--rollout-cpus and --trainer-cpus go together")
+    placed = None if args.rollout_cpus is None else {"rollout": cores(args.rollout_cpus),
+                                                     "trainer": cores(args.trainer_cpus)}
 
     shape = shape_from_json(args.shape)
     off_policy = off_policy_steps(args.override)
@@ -139,12 +167,13 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     pairs, lengths = prompts(args.model, shape)
     (work / "prompts.json").write_text(json.dumps(pairs))
-    codes, wall = run(work, args.model, args.url, shape, args.steps, off_policy)
+    codes, wall, on_cores = run(work, args.model, args.url, shape, args.steps, off_policy, placed)
     log = "".join(f"--- {name}\n" + (work / f"{name}.log").read_text(errors="replace")[-4000:]
                   for name in ("orchestrator", "trainer", "env"))
     ok = codes == {"orchestrator": 0, "trainer": 0}
     result = {"framework": "primerl", "column": args.column, "returncode": 0 if ok else 1, "exit_codes": codes,
-              "wall_s": wall, "steps": steps_from(work / "run") if ok else [], **lengths}
+              "wall_s": wall, "steps": steps_from(work / "run") if ok else [], **lengths,
+              **({"process_cpus": on_cores} if on_cores else {})}
     return report(result, log, args.steps)
 
 
