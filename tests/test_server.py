@@ -214,6 +214,19 @@ def test_calls_before_initialize_and_initialize_over_http(tiny_model):
     assert not os.path.exists(settings.checkpoint_dir)  # nothing saved: the temporary directory is gone
 
 
+def answering(proc: subprocess.Popen, port: int) -> tuple[ArcticRLClient, dict]:
+    """A client of the server `proc` started on `port`, and its status, once it answers: however long this machine
+    takes to load the job, as long as the process lives."""
+    client = ArcticRLClient(f"http://127.0.0.1:{port}", retries=0)
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            return client, client.status()
+        except BackendUnavailable:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no answer"
+            time.sleep(0.5)
+
+
 def test_serve_command_line(tiny_model, tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(f"model_path: {tiny_model}\nengine:\n  zero_stage: 1\n")
@@ -223,16 +236,7 @@ def test_serve_command_line(tiny_model, tmp_path):
     proc = subprocess.Popen([cli, "serve", "--port", str(port), "--config", str(config)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        client = ArcticRLClient(f"http://127.0.0.1:{port}", retries=0)
-        # Up when it answers: however long this machine takes to load the job, as long as the process lives.
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                status = client.status()
-                break
-            except BackendUnavailable:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no answer"
-                time.sleep(0.5)
+        client, status = answering(proc, port)
         assert status["config"]["engine"]["zero_stage"] == 1
         assert len(client.generate([[5, 6]], {"max_tokens": 3})) == 1
         client.shutdown()
@@ -264,15 +268,7 @@ def test_serve_stopped_by_sigterm_closes_its_job_then_ends_by_the_signal(tmp_pat
                              "--checkpoint-dir", str(tmp_path / "checkpoints")], env=standalone_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        client = ArcticRLClient(f"http://127.0.0.1:{port}", retries=0)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.status()
-                break
-            except BackendUnavailable:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
-                time.sleep(0.2)
+        answering(proc, port)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == -signal.SIGTERM, proc.stdout.read()
         assert record.read_text() == "closed"
