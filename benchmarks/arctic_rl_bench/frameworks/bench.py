@@ -420,7 +420,8 @@ def plot(result: dict, path: str) -> None:
                 label = f"{column} r{r}"
                 axes[0][i].plot([st["step"] for st in steps], [st["seconds"].get("step") for st in steps], label=label)
                 axes[1][i].plot([st["step"] for st in steps], [st.get("reward") for st in steps], label=label)
-        axes[0][i].set_title(f"{name} {result.get('mode', 'sync')}, {shape_name}")
+        placed = "" if result.get("placement", "shared") == "shared" else f", {result['placement']} cores"
+        axes[0][i].set_title(f"{name} {result.get('mode', 'sync')}, {shape_name}{placed}")
         axes[0][i].set_ylabel("seconds per step")
         axes[1][i].set_ylabel("reward")
         axes[1][i].set_xlabel("step")
