@@ -94,9 +94,22 @@ def sync(model_dir, sync_path, placement, layout):
     result["patches"] = {row["patch"].split(": ")[-1]: row["active"] for row in applied()}
     import psutil
 
-    api.close()  # an engine core in a process of its own ends with the sampler, not with this process
-    result["processes_after_close"] = [p.name() for p in psutil.Process().children(recursive=True)
-                                       if p.status() != psutil.STATUS_ZOMBIE and "VLLM" in p.name()]
+    # An engine core in a process of its own ends with the sampler, not with this process. vLLM's shutdown ends
+    # the core; its worker, then no longer our descendant, ends on noticing (a pipe closed) a moment later.
+    engine = {p: p.name() for p in psutil.Process().children(recursive=True) if "VLLM" in p.name()}
+    api.close()
+
+    def running(process) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 60
+    while any(running(p) for p in engine) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result["engine_processes"] = sorted(engine.values())
+    result["processes_after_close"] = sorted(name for p, name in engine.items() if running(p))
     return result
 
 

@@ -125,9 +125,9 @@ def main(args) -> int:
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)
     # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: under the default one
-    # the process would die there, before `close_job`, and a sampler's engine core in a process of its own (or a
-    # temporary checkpoint directory) would outlive it. This one ends the server's run; the process, its job closed,
-    # then ends by the signal, as a supervisor expects.
+    # the process would die there, before `close_job`, and what the job started outside it (a sampler's engine core
+    # in a process of its own) would outlive it. This one ends the server's run; the process, its job closed, then
+    # ends by the signal, as a supervisor expects.
     signal.signal(signal.SIGTERM, _stop)
     stopped_by = None
     try:

@@ -105,6 +105,7 @@ def run(work: Path, model: str, url: str, shape, steps: int, off_policy: int,
     commands = {"env": [BIN / "env-server", "@", paths["env"]],
                 "orchestrator": [BIN / "orchestrator", "@", paths["orchestrator"]],
                 "trainer": [BIN / "arctic-rl-primerl-trainer", "--arctic-rl-url", url, "@", paths["trainer"]]}
+
     def held(name: str):
         if placed is None:
             return None
