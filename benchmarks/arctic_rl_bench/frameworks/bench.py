@@ -205,11 +205,11 @@ def arctic_server(spec: dict, work: Path, split: CoreSplit | None = None, placed
         sys.path.insert(0, str(ROOT))
     from compat_tests.main_server import serving
 
-    def loaded(proc) -> None:
-        if split is not None:
-            placed.update(pin_server(proc.pid, split))
-
-    with serving(spec, work, env=split.server_env() if split else None, on_loaded=loaded) as url:
+    if split is None:
+        env, loaded = None, None
+    else:
+        env, loaded = split.server_env(), lambda proc: placed.update(pin_server(proc.pid, split))
+    with serving(spec, work, env=env, on_loaded=loaded) as url:
         yield url
 
 
@@ -233,7 +233,8 @@ def run_column(framework: Framework, column: str, shape_name: str, python: str, 
 
     if column == "alone":
         return go([])
-    split, placed = (core_split(os.sched_getaffinity(0)) if placement == "disaggregated" else None), {}
+    split = core_split(os.sched_getaffinity(0)) if placement == "disaggregated" else None
+    placed: dict[str, list[int]] = {}
     if split is not None:
         command += ["--trainer-cpus", cpu_list(split.trainer), "--rollout-cpus", cpu_list(split.rollout)]
     (work / "server").mkdir(parents=True)
