@@ -12,7 +12,8 @@ run_lane() {
   local status=0 suite
   for suite in "$@"; do
     echo "== compat: $suite"
-    if ! "compat_tests/$suite/run.sh"; then
+    # CI's table (.ci/run) gets a row for each suite
+    if ! ${CI_TIMES:+.ci/measure "$CI_TIMES" "  compat: $suite"} "compat_tests/$suite/run.sh"; then
       echo "== compat: $suite FAILED"
       status=1
     fi
