@@ -21,13 +21,18 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 demo: install
 	$(VENV)/bin/arctic-rl demo
 
+# The suites run several PyTorch processes on shared cores. GNU OpenMP's threads spin when they run out of work,
+# burning a core the other processes need: the suites' threads sleep instead (results unchanged, the same threads
+# compute them). A loop of small matmuls on two threads beside another process took 2.5-2.7 CPU s so, 4.2-5.9 spinning.
+SUITE_ENV = OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE}
+
 # Two workers, a test file each at a time (a file's fixtures are built once); TEST_WORKERS=0: one process.
 # The workers share the cores: each runs PyTorch on its share of them (8.5 min against 11.4 with every worker
 # on every core, two cores, clean clones), unless OMP_NUM_THREADS is set.
 TEST_WORKERS ?= 2
 TEST_THREADS = $(shell n=$$(( $$(nproc) / $(TEST_WORKERS) )); echo $$(( n > 0 ? n : 1 )))
 test: install
-	$(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(TEST_THREADS)}) \
+	$(SUITE_ENV) $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(TEST_THREADS)}) \
 	  $(VENV)/bin/python -m pytest -q -m "not scenario" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 # Multi-process, Ray and framework scenarios: slower, kept out of `make test`; CI runs them too. Each spends most
@@ -36,7 +41,7 @@ test: install
 # one worker too (SCENARIO_WORKERS=0: one process, in order).
 SCENARIO_WORKERS ?= 2
 scenarios: install
-	$(VENV)/bin/python -m pytest -q -m scenario $(if $(filter 0,$(SCENARIO_WORKERS)),,-n $(SCENARIO_WORKERS) --dist loadgroup)
+	$(SUITE_ENV) $(VENV)/bin/python -m pytest -q -m scenario $(if $(filter 0,$(SCENARIO_WORKERS)),,-n $(SCENARIO_WORKERS) --dist loadgroup)
 
 # `make test` and `make scenarios` where the arithmetic differs, as on other CPUs: PyTorch's AVX2 kernels, its
 # kernels without vector extensions, and one thread. Not part of CI (it would triple its time): run before landing
@@ -54,7 +59,7 @@ test-portable: install
 # Compatibility tests against the real frameworks, each in its own environment (compat_tests/): two lanes at
 # once (each suite leaves one core mostly idle), verl in one, PrimeRL then SkyRL in the other.
 compat: install
-	compat_tests/lanes.sh "verl" "primerl skyrl tinker"
+	$(SUITE_ENV) compat_tests/lanes.sh "verl" "primerl skyrl tinker"
 
 # The frameworks' own environments alone (downloads and unpacking, nothing of Arctic RL's): CI builds them
 # beside `make test` and `make scenarios`; `make compat` builds any that is missing.
