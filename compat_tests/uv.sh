@@ -4,10 +4,11 @@
 # only torch for Python 3.12), which both environments take, lies on the disk once; pip would unpack it into each
 # and keep its wheels in its own cache too (CI's disk ran out that way). Bytecode is compiled at install, as pip
 # does: these machines set PYTHONDONTWRITEBYTECODE, so without it every process compiles torch's sources again
-# (SkyRL's tests took twice as long). Run from the repository root.
+# (SkyRL's tests took twice as long); CI, which lets processes write bytecode, sets UV_COMPILE_BYTECODE=0. Run
+# from the repository root.
 UV_VERSION=0.13.9
 export UV_CACHE_DIR=$PWD/.cache/uv-cache UV_LINK_MODE=hardlink UV_PYTHON_DOWNLOADS=never UV_NO_CONFIG=1 \
-  UV_NO_PROGRESS=1 UV_COMPILE_BYTECODE=1
+  UV_NO_PROGRESS=1 UV_COMPILE_BYTECODE=${UV_COMPILE_BYTECODE:-1}
 uv_binary() {
   local tool=.cache/uv-$UV_VERSION
   if [ ! -x "$tool/bin/uv" ]; then
