@@ -23,7 +23,7 @@ demo: install
 
 # The suites run several PyTorch processes on shared cores. GNU OpenMP's threads spin when they run out of work,
 # burning a core the other processes need: the suites' threads sleep instead (results unchanged, the same threads
-# compute them). A loop of small matmuls on two threads beside another process took 2.5-2.7 CPU s so, 4.2-5.9 spinning.
+# compute them). A loop of small matmuls on two threads beside another process: 2.5-2.7 CPU s asleep, 4.2-5.9 spinning.
 SUITE_ENV = OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE}
 
 # Two workers, a test file each at a time (a file's fixtures are built once); TEST_WORKERS=0: one process.
