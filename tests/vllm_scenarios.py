@@ -1016,6 +1016,144 @@ def snapshots(model_dir, placement="in_process"):
             "versions": versions, "sampled_versions": [base_again[3], trained_again[3]]}
 
 
+def _r3_backend(model_dir):
+    from arctic_rl_core.backend import InProcessBackend
+
+    return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2}, "router_replay": "R3",
+                             "sampler": {"name": "vllm", "kv_cache_mb": 64}})
+
+
+def _native_routing(api, prompt, completions):
+    """The trainer's own routing of each completion (no record sent: its fp32 forward routes natively), over the rows
+    the sampler records."""
+    from arctic_rl_core.types import Sequence
+
+    taken = api.log_probs([Sequence(prompt_ids=prompt, response_ids=c.token_ids) for c in completions]).routed_experts
+    return [t.array()[: c.routed_experts.tokens] for t, c in zip(taken, completions)]
+
+
+def _disagreeing(records, native, moe_layers) -> tuple[int, int]:
+    """(token x layer choices whose expert sets differ, all of them)."""
+    import numpy as np
+
+    differ = total = 0
+    for a, b in zip(records, native):
+        a, b = np.sort(a[:, moe_layers], -1), np.sort(b[:, moe_layers], -1)
+        differ += int((a != b).any(-1).sum())
+        total += a.shape[0] * a.shape[1]
+    return differ, total
+
+
+def r3(model_dir):
+    """R3 from the vLLM sampler on a tiny Qwen3-MoE: each completion's record is vLLM's routing (against the trainer's
+    fp32 routing of the same tokens), replayed its log-probs are the sampler's; a GRPO group of 16 on one prompt served
+    from the prefix cache keeps one prompt routing, that of a run without caching (an engine in its own process); a
+    weight sync mid-generation leaves each span the routing of the weights that sampled it."""
+    import tempfile
+
+    import numpy as np
+
+    from arctic_rl_core.types import Sequence, behaviour
+    from tests.helpers import grpo_batch
+
+    api = _r3_backend(model_dir)
+    moe = list(api.engine.replay_shape.moe_layers)
+    prompt = [5 + (i * 7) % 300 for i in range(150)]  # past a KV block: children of the group read cached blocks
+    group = {"n": 16, "max_tokens": 8, "seed": 3, "ignore_eos": True}
+    cached_before = api.sampler.rpc("arctic_routed_experts_cached_rows")[0]
+    sampled = api.generate([prompt], group)
+    cached = api.sampler.rpc("arctic_routed_experts_cached_rows")[0] - cached_before
+    records = [c.routed_experts.array() for c in sampled]
+    seqs = [Sequence(prompt_ids=prompt, response_ids=c.token_ids, **behaviour(c)) for c in sampled]
+    replayed = api.log_probs(seqs)
+    differ, total = _disagreeing(records, _native_routing(api, prompt, sampled), moe)
+    result = {"rows": sorted({r.shape[0] for r in records}), "want_rows": len(prompt) + group["max_tokens"] - 1,
+              "shape": list(records[0].shape[1:]), "dtype": str(np.asarray(sampled[0].routed_experts.ids).dtype),
+              "info": api.sampler.routed_experts, "cached_rows": cached,
+              "prompt_rows_equal": all(np.array_equal(r[: len(prompt)], records[0][: len(prompt)]) for r in records),
+              "disagree": differ, "choices": total,
+              "replayed_lp_err": max_err(replayed.logprobs, [c.logprobs for c in sampled]),
+              "replayed_routes_are_records": all(np.array_equal(t.array()[: len(r)], r)
+                                                 for t, r in zip(replayed.routed_experts, records))}
+
+    # A weight sync while the group samples: each span keeps the routing of the weights that sampled it.
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]
+    sampling = {"n": 2, "max_tokens": 120, "ignore_eos": True, "seed": 0}
+    v0 = os.path.join(tempfile.mkdtemp(), "v0")
+    api.save_checkpoint(v0)
+    api.fwd_bwd(grpo_batch(groups=2, group_size=3, prompt_len=9, response_len=6), "grpo")
+    api.step()
+    box = {}
+    running, every_sample_started = _sampling_all(api, prompts, sampling, box)
+    every_sample_started()
+    api.sync_weights()
+    running.join(300)
+    crossed = box["out"]
+    seqs = [Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids, **behaviour(c)) for c in crossed]
+
+    def span_err(want, trainer):
+        return max(abs(a - b) for c, t in zip(crossed, trainer)
+                   for v, a, b in zip(c.token_versions, c.logprobs, t) if v == want)
+
+    at_v1 = api.log_probs(seqs).logprobs
+    api.load_checkpoint(v0)
+    at_v0 = api.log_probs(seqs).logprobs
+    result.update({"crossed": sum(1 for c in crossed if c.token_versions and len(set(c.token_versions)) == 2),
+                   "crossed_rows_ok": all(c.routed_experts.tokens == len(prompts[0]) + len(c.token_ids) - 1
+                                          for c in crossed),
+                   "v0_span_err": span_err(0, at_v0), "v1_span_err": span_err(1, at_v1)})
+
+    # The same group from an engine without prefix caching, in a process of its own.
+    from arctic_rl_core.config import BackendConfig
+    from arctic_rl_core.samplers.vllm_sampler import VLLMSampler
+    from arctic_rl_core.types import SamplingParams
+
+    uncached = VLLMSampler(BackendConfig.model_validate({"model_path": model_dir, "router_replay": "R3", "sampler": {
+        "name": "vllm", "placement": "subprocess", "kv_cache_mb": 64, "engine_args": {"enable_prefix_caching": False}}}))
+    plain = uncached.generate([prompt], SamplingParams(**group), 0)
+    result["uncached_cached_rows"] = uncached.rpc("arctic_routed_experts_cached_rows")[0]
+    result["prompt_rows_as_uncached"] = all(
+        np.array_equal(c.routed_experts.array()[: len(prompt)], records[0][: len(prompt)]) for c in plain)
+    uncached.close()
+    return result
+
+
+def r3_families(root):
+    """Each mixture-of-experts family tiny.py builds, served by vLLM (its engine in a process of its own): the
+    sampler's record for prompt and sampled tokens against the router top-k of the trainer's fp32 forward of the same
+    weights and tokens (the model's own forward, recorded by the trainer's `RouterReplay`)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from arctic_rl_core.config import BackendConfig
+    from arctic_rl_core.models.router_replay import load_router_replay
+    from arctic_rl_core.models.tiny import MOE_FAMILIES, make_tiny_model
+    from arctic_rl_core.samplers.vllm_sampler import VLLMSampler
+    from arctic_rl_core.types import SamplingParams
+
+    result = {}
+    prompts = [[5 + (i * 11) % 300 for i in range(40)], [50 + i for i in range(9)]]
+    for family in MOE_FAMILIES:
+        path = make_tiny_model(family, os.path.join(root, family), max_positions=256)
+        sampler = VLLMSampler(BackendConfig.model_validate({"model_path": path, "router_replay": "R3", "sampler": {
+            "name": "vllm", "placement": "subprocess", "kv_cache_mb": 64}}))
+        sampled = sampler.generate(prompts, SamplingParams(n=2, max_tokens=8, seed=1, ignore_eos=True), 0)
+        sampler.close()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        replay = load_router_replay(model, AutoConfig.from_pretrained(path), torch.device("cpu"))
+        native = []
+        for c in sampled:
+            replay.use(record=True)
+            with torch.no_grad():
+                model(input_ids=torch.tensor([(prompts[c.prompt_index] + c.token_ids)[:-1]]))
+            native.append(replay.recorded.numpy())
+            replay.use()
+        differ, total = _disagreeing([c.routed_experts.array() for c in sampled], native, list(replay.shape.moe_layers))
+        result[family] = {"disagree": differ, "choices": total,
+                          "rows_ok": all(c.routed_experts.tokens == len(prompts[c.prompt_index]) + len(c.token_ids) - 1
+                                         for c in sampled)}
+    return result
+
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
     from transformers.utils import logging as hf_logging
@@ -1027,5 +1165,6 @@ if __name__ == "__main__":
               "abort": abort, "reshaped": reshaped, "cascade": cascade, "continuous": continuous,
               "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming,
               "rope_scaling": rope_scaling, "adapters": adapters,
-              "cancelled": cancelled, "constrained": constrained, "snapshots": snapshots}[scenario](model_dir, *rest)
+              "cancelled": cancelled, "constrained": constrained, "snapshots": snapshots,
+              "r3": r3, "r3_families": r3_families}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)

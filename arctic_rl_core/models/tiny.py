@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-Family = Literal["qwen3", "qwen2", "llama", "gemma2", "granite", "qwen3_moe"]
+Family = Literal["qwen3", "qwen2", "llama", "gemma2", "granite", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen2", "llama", "gemma2", "granite")
-MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe",)
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 """Mixture-of-experts families (default 4 experts, 2 per token, every layer sparse): router replay's."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",
                   # Qwen3's tool and reasoning markers: its renderers (PrimeRL's) need them in the vocabulary.
@@ -99,7 +99,8 @@ QWEN3_0_6B = dict(layers=28, hidden=1024, heads=16, kv_heads=8,
 def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, heads: int, kv_heads: int,
                 max_positions: int, eos_token_id: int, intermediate: int | None = None, head_dim: int | None = None,
                 tie_embeddings: bool = False, experts: int = 4, experts_per_token: int = 2):
-    from transformers import Gemma2Config, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (Gemma2Config, GraniteConfig, LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(
         vocab_size=vocab_size,
@@ -120,6 +121,15 @@ def tiny_config(family: Family, *, vocab_size: int, layers: int, hidden: int, he
     if family == "qwen3_moe":
         return Qwen3MoeConfig(head_dim=head_dim, num_experts=experts, num_experts_per_tok=experts_per_token, norm_topk_prob=True,
                               moe_intermediate_size=intermediate or hidden, decoder_sparse_step=1, **common)
+    if family == "qwen2_moe":  # with its shared expert, gated
+        return Qwen2MoeConfig(num_experts=experts, num_experts_per_tok=experts_per_token, norm_topk_prob=True,
+                              moe_intermediate_size=intermediate or hidden, shared_expert_intermediate_size=hidden,
+                              decoder_sparse_step=1, **common)
+    if family == "mixtral":  # softmax over the chosen experts' logits, always renormalised
+        return MixtralConfig(head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=experts_per_token,
+                             sliding_window=None, **common)
+    if family == "olmoe":  # softmax over all experts, not renormalised
+        return OlmoeConfig(num_experts=experts, num_experts_per_tok=experts_per_token, norm_topk_prob=False, **common)
     if family == "qwen2":
         return Qwen2Config(**common)
     if family == "llama":

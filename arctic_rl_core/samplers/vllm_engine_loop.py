@@ -41,6 +41,9 @@ class Sample:
     """Per sampled token, the weight version that sampled it."""
     finish_reason: str | None = None
     """vLLM's (`stop`, `length`), or `abort`; None while it runs."""
+    spans: list[tuple[str, int]] = field(default_factory=list)
+    """The engine requests that sampled it, in order: (vLLM's request id, index of the first token it sampled). More
+    than one where weight updates cut it."""
 
 
 @dataclass
@@ -287,9 +290,11 @@ class EngineLoop:
         try:
             for index, (prompt, result) in enumerate(zip(prompts, call.results)):
                 request_id = f"arctic-{next(self._ids)}"
-                engine.add_request(request_id, prompt, params, lora_request=lora)
+                engine_id = engine.add_request(request_id, prompt, params, lora_request=lora)
                 requests[request_id] = _Request(call, index, list(prompt["prompt_token_ids"]), params, result.samples,
                                                 list(range(params.n)), lora)
+                for i, sample in enumerate(result.samples):  # vLLM's ids of a request's n samples (`ParentRequest`)
+                    sample.spans.append((engine_id if params.n == 1 else f"{i}_{engine_id}", 0))
         except Exception as err:  # noqa: BLE001 -- a request vLLM refuses: none of the call's stays in the engine
             engine.abort_request(list(requests))
             done.set_exception(err)
@@ -393,9 +398,10 @@ class EngineLoop:
             params.seed = (params.seed + done_tokens) % 2**63
         request_id = f"arctic-{next(self._ids)}"
         try:
-            engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids + sample.token_ids}, params,
-                               lora_request=request.lora)
+            engine_id = engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids + sample.token_ids},
+                                           params, lora_request=request.lora)
         except Exception:  # noqa: BLE001 -- it cannot go on: it ends with what it has
             return self._finish(request.call, sample, "abort")
+        sample.spans.append((engine_id, done_tokens))
         self._requests[request_id] = _Request(request.call, request.prompt_index, request.prompt_ids, request.params,
                                               [sample], [request.sample_indexes[index]], request.lora)

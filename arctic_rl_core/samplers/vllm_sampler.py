@@ -29,6 +29,7 @@ from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.models.lora_files import lora_deltas
+from arctic_rl_core.models.router_replay import moe_shape
 from arctic_rl_core.models.rope_scaling import config_overrides, context_window
 from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
 from arctic_rl_core.samplers.base import Sampler
@@ -37,13 +38,14 @@ from arctic_rl_core.samplers.vllm_engine_loop import EngineLoop
 from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_plain_weights import PACKED_LOAD_FORMAT as PACKED_WEIGHTS_LOAD_FORMAT
+from arctic_rl_core.samplers.vllm_routed_experts import rows_of, sample_record
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
 from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
-from arctic_rl_core.types import Completion, RepetitionDetection, SamplingParams, StructuredOutputs
+from arctic_rl_core.types import Completion, RepetitionDetection, RoutedExperts, SamplingParams, StructuredOutputs
 
 log = logging.getLogger("arctic_rl.sampler")
 
-_EXTENSION = "arctic_rl_core.samplers.vllm_worker.WeightSyncExtension"
+_EXTENSION = "arctic_rl_core.samplers.vllm_worker.WorkerExtension"
 _SYNC_TIMEOUT_S = 600
 _BROADCAST_PORT = 29600
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -137,11 +139,12 @@ class VLLMSampler(Sampler):
 
         engine_args = dict(
             model=config.model_path, dtype=sc.dtype or config.engine.dtype, seed=config.engine.seed,
-            max_model_len=self.max_context, enable_prefix_caching=True, enforce_eager=not self.cuda,
+            max_model_len=self.max_context, enforce_eager=not self.cuda,
             logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION,
             disable_log_stats=False,  # the engine's Prometheus metrics (`engine_metrics`, the server's /metrics)
             enable_sleep_mode=sc.sleep_during_training, **memory, **lora,
-            **{**cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}), **sc.engine_args,
+            **{"enable_prefix_caching": True, **cpu_only, **(forest_cascade.ENGINE_ARGS if cascade else {}),
+               **sc.engine_args,
                # the config refuses position keys in the user's hf_overrides
                "hf_overrides": {**sc.engine_args.get("hf_overrides", {}), **positions}},
         )
@@ -168,6 +171,11 @@ class VLLMSampler(Sampler):
         self._direct = self._expose_weights() if sc.sync == "shared_memory" else None
         self._direct_checked = False
         self._set_route()
+        self.routed_experts = None
+        """R3 on a mixture-of-experts model: the record's shape and dtype and the size of the workers' per-KV-slot store
+        (`vllm_routed_experts`); each completion carries the routing it was sampled with."""
+        if config.router_replay == "R3" and moe_shape(hf) is not None:
+            self.routed_experts = self.rpc("arctic_record_routed_experts", args=(hf.get_text_config().model_type,))[0]
 
     def forest_cascade_served(self) -> dict:
         """zorro.inference: the engine's decoding steps run with forest cascade attention (`cascade`), those whose
@@ -275,6 +283,7 @@ class VLLMSampler(Sampler):
             if sampling.structured_outputs is None or not isinstance(err, (ValueError, VLLMClientError)):
                 raise
             raise InvalidRequest("sampling.structured_outputs", str(err)) from None
+        routes = self._take_routes(results)
         completions = []
         for index, result in enumerate(results):
             for sample in result.samples:
@@ -293,9 +302,26 @@ class VLLMSampler(Sampler):
                         prompt_logprobs=None if sampling.prompt_logprobs is None or result.prompt_logprobs is None else [
                             [(token, step[token].logprob)] + _top(step, sampling.prompt_logprobs)
                             for step, token in zip(result.prompt_logprobs[1:], prompts[index][1:])],
+                        routed_experts=None if routes is None else self._routes_of(routes, len(prompts[index]), sample),
                     )
                 )
         return completions
+
+    def _take_routes(self, results) -> dict | None:
+        """R3: the records of every engine request of a call (its samples', and those a weight update cut), taken from
+        the workers once the call ended (rank 0's: tensor-parallel ranks route alike)."""
+        if self.routed_experts is None:
+            return None
+        ids = [request_id for result in results for sample in result.samples for request_id, _ in sample.spans]
+        taken = self.rpc("arctic_take_routed_experts", args=(ids,))[0] if ids else {}
+        shape = self.routed_experts
+        return {request_id: rows_of(rows, shape["layers"], shape["top_k"], shape["dtype"])
+                for request_id, rows in taken.items()}
+
+    @staticmethod
+    def _routes_of(routes: dict, prompt_tokens: int, sample) -> RoutedExperts | None:
+        rows = sample_record(prompt_tokens, len(sample.token_ids), sample.spans, routes)
+        return None if rows is None else RoutedExperts.of(rows)
 
     def _model_logprobs(self, prompts, completions: list[Completion], adapter: str | None) -> None:
         """vLLM reports the log-probs of the distribution it sampled from: after penalties, min_tokens' mask and
@@ -317,6 +343,7 @@ class VLLMSampler(Sampler):
         with self._one_version.shared():
             outputs = self._loop.submit([{"prompt_token_ids": p + r} for p, r in sequences], params, None,
                                         lora).result()
+            self._take_routes(outputs)  # scoring's own records: not wanted, not kept
         scores = []
         for (prompt, response), out in zip(sequences, outputs):
             if out.prompt_logprobs is None:
@@ -392,6 +419,8 @@ class VLLMSampler(Sampler):
                 self._loop.abort_all()
                 raise ArcticRLError("sync_weights: vLLM did not empty its prefix cache; the requests in flight "
                                     "were aborted")
+            if self.routed_experts is not None:
+                self.rpc("arctic_forget_routed_experts_cache")
         return count
 
     def _load(self, weights) -> int:

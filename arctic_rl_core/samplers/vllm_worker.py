@@ -30,6 +30,7 @@ from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.patches import InstancePatch
 from arctic_rl_core.samplers.vllm_plain_weights import MARKER as PLAIN_WEIGHTS
 from arctic_rl_core.samplers.vllm_plain_weights import repack
+from arctic_rl_core.samplers.vllm_routed_experts import RoutedExpertsExtension
 
 
 def _broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
@@ -309,3 +310,7 @@ class WeightSyncExtension:
         else:
             self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         return count
+
+
+class WorkerExtension(WeightSyncExtension, RoutedExpertsExtension):
+    """What vLLM's Worker gets from Arctic RL (`worker_extension_cls`): the weight sync's methods, and R3's record."""

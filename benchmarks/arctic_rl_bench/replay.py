@@ -44,12 +44,15 @@ def near_tie_moe(directory: str, tie: float, seed: int = 0) -> str:
     return directory
 
 
-def _backend(model_dir: str, replay: str, learning_rate: float):
+def _backend(model_dir: str, replay: str, learning_rate: float, sampler: str):
+    """`sampler`: transformers, or vllm, whose engine then runs in a process of its own (the bench builds several
+    jobs in one process; an in-process engine's shutdown would end the process's torch.distributed)."""
     from arctic_rl_core.backend import InProcessBackend
 
+    placement = {"placement": "subprocess"} if sampler == "vllm" else {}
     return InProcessBackend({"model_path": model_dir, "router_replay": replay,
                              "engine": {"learning_rate": learning_rate, "zero_stage": 0},
-                             "sampler": {"name": "transformers", "dtype": "bfloat16"}})
+                             "sampler": {"name": sampler, "dtype": "bfloat16", **placement}})
 
 
 def _prompts(count: int, length: int, seed: int, vocab: int = 500) -> list[list[int]]:
@@ -103,10 +106,10 @@ def _flipped(native, sampled, moe_layers: list[int]) -> float:
     return flips / total
 
 
-def mismatch(moe_dir: str, dense_dir: str, prompts, sampling: dict) -> dict:
+def mismatch(moe_dir: str, dense_dir: str, prompts, sampling: dict, sampler: str) -> dict:
     out = {}
     for name, path in (("moe", moe_dir), ("dense", dense_dir)):
-        backend = _backend(path, "R3", 1e-3)  # no step is taken
+        backend = _backend(path, "R3", 1e-3, sampler)  # no step is taken
         try:
             completions = backend.generate(prompts, sampling)
             seqs = _sequences(prompts, completions, sampling["n"])
@@ -125,10 +128,11 @@ def mismatch(moe_dir: str, dense_dir: str, prompts, sampling: dict) -> dict:
     return out
 
 
-def grpo(model_dir: str, replay: str, prompts, sampling: dict, steps: int, learning_rate: float) -> list[dict]:
+def grpo(model_dir: str, replay: str, prompts, sampling: dict, steps: int, learning_rate: float,
+         sampler: str) -> list[dict]:
     import numpy as np
 
-    backend = _backend(model_dir, replay, learning_rate)
+    backend = _backend(model_dir, replay, learning_rate, sampler)
     history = []
     try:
         for step in range(steps):
@@ -162,20 +166,26 @@ def grpo(model_dir: str, replay: str, prompts, sampling: dict, steps: int, learn
     return history
 
 
-def cost(model_dir: str, prompts, sampling: dict, repeats: int) -> dict:
+def cost(model_dir: str, prompts, sampling: dict, repeats: int, sampler: str) -> dict:
     """Seconds side by side, alternating, medians of `repeats`, on one R3 job: `generate` recording routes and not
-    (the same sampler with its recorder detached: nothing else differs; two jobs side by side on this 2-core machine
-    differed by more than the recording); `fwd_bwd` of the same batch replaying its routes and through the trainer's
-    own routing."""
-    backend = _backend(model_dir, "R3", 1e-3)
-    recorder = backend.sampler.router_replay
+    (the same sampler with its recording detached, hooks included: nothing else differs; two jobs side by side on
+    this 2-core machine differed by more than the recording); `fwd_bwd` of the same batch replaying its routes and
+    through the trainer's own routing. With vLLM, also the bytes of its workers' per-KV-slot routing store."""
+    backend = _backend(model_dir, "R3", 1e-3, sampler)
+    recorder = getattr(backend.sampler, "router_replay", None)
+
+    def recording(on: bool):
+        if sampler == "vllm":
+            backend.sampler.rpc("arctic_routed_experts_recording", args=(on,))
+        else:
+            backend.sampler.router_replay = recorder if on else None
 
     def generate(record: bool):
-        backend.sampler.router_replay = recorder if record else None
+        recording(record)
         try:
             backend.generate(prompts, sampling)
         finally:
-            backend.sampler.router_replay = recorder
+            recording(True)
 
     try:
         completions = backend.generate(prompts, sampling)
@@ -190,12 +200,15 @@ def cost(model_dir: str, prompts, sampling: dict, repeats: int) -> dict:
                 fn()
                 times[name].append(time.perf_counter() - t0)
                 backend.discard_gradients()
-        return {name: statistics.median(ts[1:]) for name, ts in times.items()}
+        medians = {name: statistics.median(ts[1:]) for name, ts in times.items()}
+        if sampler == "vllm":
+            medians["store_bytes"] = backend.sampler.routed_experts["store_bytes"]
+        return medians
     finally:
         backend.close()
 
 
-def worker(steps: int, tie: float, prompts: int, group: int, max_tokens: int) -> dict:
+def worker(steps: int, tie: float, prompts: int, group: int, max_tokens: int, sampler: str) -> dict:
     from arctic_rl_core.models.tiny import make_tiny_model
 
     root = tempfile.mkdtemp(prefix="arctic-rl-bench-replay-")
@@ -204,11 +217,12 @@ def worker(steps: int, tie: float, prompts: int, group: int, max_tokens: int) ->
     dense_dir = make_tiny_model("qwen3", f"{root}/dense", shape=dict(intermediate=2 * SIZES["hidden"]), **SIZES)
     batch = _prompts(prompts, 24, seed=0)
     sampling = {"n": group, "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True, "seed": 0}
-    result = {"benchmark": "replay", "tie": tie, "prompts": prompts, "group": group, "max_tokens": max_tokens,
-              "steps": steps, "mismatch": mismatch(moe_dir, dense_dir, batch, sampling), "runs": {}}
+    result = {"benchmark": "replay", "sampler": sampler, "tie": tie, "prompts": prompts, "group": group,
+              "max_tokens": max_tokens, "steps": steps, "mismatch": mismatch(moe_dir, dense_dir, batch, sampling, sampler),
+              "runs": {}}
     for replay in ("R3", "off"):
-        result["runs"][replay] = grpo(moe_dir, replay, batch, sampling, steps, learning_rate=1e-3)
-    result["cost_s"] = cost(moe_dir, batch, sampling, repeats=COST_REPEATS)
+        result["runs"][replay] = grpo(moe_dir, replay, batch, sampling, steps, 1e-3, sampler)
+    result["cost_s"] = cost(moe_dir, batch, sampling, COST_REPEATS, sampler)
     return result
 
 
@@ -248,10 +262,11 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path)
 
 
-def run(steps: int, tie: float, prompts: int, group: int, max_tokens: int) -> dict:
+def run(steps: int, tie: float, prompts: int, group: int, max_tokens: int, sampler: str = "transformers") -> dict:
     from arctic_rl_bench.measure import run_worker
 
-    return run_worker("arctic_rl_bench.replay", str(steps), str(tie), str(prompts), str(group), str(max_tokens))
+    return run_worker("arctic_rl_bench.replay", str(steps), str(tie), str(prompts), str(group), str(max_tokens),
+                      sampler)
 
 
 def add_arguments(p) -> None:
@@ -260,12 +275,14 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--sampler", choices=["transformers", "vllm"], default="transformers",
+                   help="the sampler that records the routing (bf16 either way)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", help="write the per-step curves to this PNG")
 
 
 def main(args) -> int:
-    result = run(args.steps, args.tie, args.prompts, args.group, args.max_tokens)
+    result = run(args.steps, args.tie, args.prompts, args.group, args.max_tokens, args.sampler)
     result["summary"] = summary(result)
     if args.plot:
         plot(result, args.plot)
@@ -273,7 +290,8 @@ def main(args) -> int:
         print(json.dumps(result))
         return 0
     m = result["mismatch"]
-    print(f"bf16 sampler, fp32 trainer; {m['moe']['tokens']} sampled tokens; router near-tie noise {result['tie']}")
+    print(f"bf16 {result['sampler']} sampler, fp32 trainer; {m['moe']['tokens']} sampled tokens; router near-tie noise "
+          f"{result['tie']}")
     print(f"flipped routes (token, MoE layer): replay off {m['moe']['flipped_off']:.2%}   on {m['moe']['flipped_on']:.2%}")
     print(f"sampler-vs-trainer |log-prob gap| mean/max: MoE off {m['moe']['gap_off']['mean']:.2e}/{m['moe']['gap_off']['max']:.2e}"
           f"   MoE R3 {m['moe']['gap_on']['mean']:.2e}/{m['moe']['gap_on']['max']:.2e}"
@@ -289,10 +307,12 @@ def main(args) -> int:
     print(f"cost, medians of {COST_REPEATS} alternating: generate recording routes {c['generate_R3']:.3f} s vs not {c['generate_off']:.3f} s"
           f" (x{c['generate_R3'] / c['generate_off']:.2f});  fwd_bwd replaying {c['fwd_bwd_replayed']:.3f} s vs own routing "
           f"{c['fwd_bwd_own_routing']:.3f} s (x{c['fwd_bwd_replayed'] / c['fwd_bwd_own_routing']:.2f})")
+    if "store_bytes" in c:
+        print(f"vLLM's per-KV-slot routing store: {c['store_bytes'] / 2**20:.1f} MiB (fixed: the KV cache's slots)")
     return 0
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     from arctic_rl_bench.measure import worker_main
 
-    worker_main(worker, int, float, int, int, int)
+    worker_main(worker, int, float, int, int, int, str)
