@@ -307,9 +307,9 @@ def test_a_pool_serves_each_adapter_on_every_replica_and_a_replacement_loads_the
 
 
 def test_r3_completions_from_two_replicas_carry_their_routing_across_a_sync(tmp_path):
-    """Router replay (R3) behind a pool: each replica's transformers sampler records its completions' routing, which
-    crosses Ray with them; after a step and a sync the replicas record under the new weights, and the trainer
-    replaying each record gives the sampled log-probs."""
+    """Router replay (R3) behind a pool: each replica's vLLM sampler records its completions' routing, which crosses
+    Ray with them; after a step and a sync the replicas record under the new weights, and the trainer replaying each
+    record gives the sampled log-probs."""
     import numpy as np
 
     from arctic_rl_core.models.tiny import make_tiny_model
@@ -317,7 +317,7 @@ def test_r3_completions_from_two_replicas_carry_their_routing_across_a_sync(tmp_
 
     model = make_tiny_model("qwen3_moe", str(tmp_path / "moe"), max_positions=256)
     api = InProcessBackend({"model_path": model, "engine": {"learning_rate": 1e-2}, "router_replay": "R3",
-                            "sampler": {"name": "transformers", "replicas": 2}, "ray": {"num_cpus": 2}})
+                            "sampler": {"name": "vllm", "replicas": 2, "kv_cache_mb": 64}, "ray": {"num_cpus": 2}})
     try:
         for version in (0, 1):
             out = api.generate(PROMPTS, {"n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True})

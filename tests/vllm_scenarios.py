@@ -1096,6 +1096,11 @@ def r3(model_dir):
                    for v, a, b in zip(c.token_versions, c.logprobs, t) if v == want)
 
     at_v1 = api.log_probs(seqs).logprobs
+    # After the sync (the experts' weights reloaded through vLLM's loader): the sampler is the trainer again.
+    fresh = api.generate(prompts, {**sampling, "max_tokens": 8})
+    result["synced_lp_err"] = max_err(api.log_probs([Sequence(prompt_ids=prompts[c.prompt_index],
+                                                              response_ids=c.token_ids, **behaviour(c))
+                                                     for c in fresh]).logprobs, [c.logprobs for c in fresh])
     api.load_checkpoint(v0)
     at_v0 = api.log_probs(seqs).logprobs
     result.update({"crossed": sum(1 for c in crossed if c.token_versions and len(set(c.token_versions)) == 2),

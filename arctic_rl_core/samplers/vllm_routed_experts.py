@@ -78,18 +78,19 @@ class RoutedExpertsRecorder:
         positions = starts[owner] + np.arange(len(rows)) - offsets[owner]
         # Rows first into the KV slots their tokens were written to: a request of this very step may read them.
         self.slots[self._slots(table, owner, positions)] = rows
-        for i, request_id in enumerate(request_ids):
-            if request_id in self.taken:
+        records, taken = self.records, self.taken
+        for i, (request_id, start, offset, count) in enumerate(
+                zip(request_ids, starts.tolist(), offsets.tolist(), scheduled.tolist())):
+            if request_id in taken:
                 continue
-            record = self.records.get(request_id)
+            record = records.get(request_id)
             if record is None:
-                record = self.records[request_id] = _Record(self.shape, self.dtype)
-            start = int(starts[i])
+                record = records[request_id] = _Record(self.shape, self.dtype)
             if start > record.filled:  # served from the prefix cache: the rows of the forward that computed its KV
                 cached = np.arange(record.filled, start)
                 record.put(record.filled, self.slots[self._slots(table, np.full_like(cached, i), cached)])
                 self.cached_rows += len(cached)
-            record.put(start, rows[offsets[i] : offsets[i] + scheduled[i]])
+            record.put(start, rows[offset : offset + count])
 
     def _slots(self, table: np.ndarray, requests: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return table[requests, positions // self.block_size] * self.block_size + positions % self.block_size

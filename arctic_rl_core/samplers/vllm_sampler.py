@@ -176,6 +176,7 @@ class VLLMSampler(Sampler):
         (`vllm_routed_experts`); each completion carries the routing it was sampled with."""
         if config.router_replay == "R3" and moe_shape(hf) is not None:
             self.routed_experts = self.rpc("arctic_record_routed_experts", args=(hf.get_text_config().model_type,))[0]
+        self._recording = self.routed_experts is not None
 
     def forest_cascade_served(self) -> dict:
         """zorro.inference: the engine's decoding steps run with forest cascade attention (`cascade`), those whose
@@ -307,10 +308,18 @@ class VLLMSampler(Sampler):
                 )
         return completions
 
+    def record_routed_experts(self, on: bool) -> None:
+        """R3's recording on or off, hooks included (`bench replay` measures its cost on one engine); off, completions
+        carry no record."""
+        if self.routed_experts is None:
+            raise ArcticRLError("this sampler records no routing (router_replay is not R3, or the model is dense)")
+        self._loop.call(lambda: (self.rpc("arctic_routed_experts_recording", args=(on,)),
+                                 setattr(self, "_recording", on)))
+
     def _take_routes(self, results) -> dict | None:
         """R3: the records of every engine request of a call (its samples', and those a weight update cut), taken from
         the workers once the call ended (rank 0's: tensor-parallel ranks route alike)."""
-        if self.routed_experts is None:
+        if not self._recording:
             return None
         ids = [request_id for result in results for sample in result.samples for request_id, _ in sample.spans]
         taken = self.rpc("arctic_take_routed_experts", args=(ids,))[0] if ids else {}

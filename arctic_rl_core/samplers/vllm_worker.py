@@ -226,6 +226,38 @@ def join_group(host: str, port: int, rank: int, timeout_s: float, is_master: boo
     return torch.distributed.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s)), store
 
 
+def _prepack_on_updates(method) -> int:
+    setup = method._setup_kernel
+
+    def setup_kernel(layer, w13, w2):
+        update = method.moe_kernel is not None
+        setup(layer, w13, w2)
+        if update:
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    method._setup_kernel = setup_kernel
+    return 1
+
+
+PREPACK_EXPERTS_ON_UPDATES = InstancePatch(
+    "a weight update also runs the experts' own post-load step (fused_experts.process_weights_after_loading)",
+    _prepack_on_updates,
+    "vLLM 0.32 runs it on the first load only: on CPU that step prepacks the experts into the grouped GEMM's layout, "
+    "so after a reload the kernel read the new weights unpacked (a tiny Qwen3-MoE's MoE block off by more than its "
+    "output's size)", __name__)
+
+
+def prepack_experts_on_weight_updates(model: torch.nn.Module) -> int:
+    """`PREPACK_EXPERTS_ON_UPDATES` on every unquantized mixture-of-experts layer of `model` (vLLM's reload path)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    methods = {id(m.quant_method): m.quant_method for m in model.modules()
+               if isinstance(getattr(m, "quant_method", None), UnquantizedFusedMoEMethod)}
+    for method in methods.values():
+        PREPACK_EXPERTS_ON_UPDATES.apply(method)
+    return len(methods)
+
+
 class WeightSyncExtension:
     def arctic_forest_cascade_served(self) -> dict:
         """Decoding steps this worker ran with forest cascade attention (zorro.inference), and without."""
@@ -296,6 +328,9 @@ class WeightSyncExtension:
         return getattr(self.model_runner.get_model(), PLAIN_WEIGHTS, False)
 
     def _arctic_reload(self, weights) -> int:
+        if not getattr(self, "_arctic_moe_prepack", False):
+            prepack_experts_on_weight_updates(self.model_runner.get_model())
+            self._arctic_moe_prepack = True
         count = 0
 
         def counted():

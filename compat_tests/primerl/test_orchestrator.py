@@ -142,7 +142,7 @@ def test_prime_rls_orchestrator_and_trainer_with_router_replay_on_a_tiny_moe(tmp
     model = make_tiny_model(str(tmp_path / "tiny-qwen3-moe"), "--family", "qwen3_moe", "--max-positions", "1024")
     engine = {"learning_rate": LEARNING_RATE, "weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0}
     (tmp_path / "server").mkdir()
-    job = {"model_path": model, "engine": engine, "sampler": {"name": "transformers"}, "router_replay": "R3"}
+    job = {"model_path": model, "engine": engine, "router_replay": "R3"}  # the vLLM sampler records the routes
     with serving(job, tmp_path / "server") as url:
         codes = _run(tmp_path, model, url, "filesystem", STEPS, replay=True)
     logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}

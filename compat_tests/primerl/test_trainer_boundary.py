@@ -363,13 +363,13 @@ def test_the_trainer_trains_what_prime_rl_sends_with_prime_rls_loss_and_publishe
 
 @pytest.fixture(scope="module")
 def moe_server(tmp_path_factory):
-    """A tiny Qwen3-MoE job replaying routing (R3): its transformers sampler records each completion's routes."""
+    """A tiny Qwen3-MoE job replaying routing (R3): its vLLM sampler records each completion's routes."""
     from arctic_rl_core.models.tiny import make_tiny_model
     from compat_tests.main_server import serving
 
     work = tmp_path_factory.mktemp("moe-server")
     model = make_tiny_model("qwen3_moe", str(work / "model"), max_positions=256)
-    job = {"model_path": model, "sampler": {"name": "transformers"}, "router_replay": "R3",
+    job = {"model_path": model, "router_replay": "R3",
            "engine": {"learning_rate": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.999], "grad_clip": 1.0}}
     with serving(job, work) as url:
         yield url, model

@@ -169,7 +169,7 @@ def test_router_replay_r3_replays_the_samplers_routing_in_every_update(tmp_path)
     from conftest import LEARNING_RATE, OPTIMIZER
 
     model = make_tiny_model(str(tmp_path / "tiny-qwen3-moe"), "--family", "qwen3_moe", "--max-positions", "1024")
-    job = {"model_path": model, "sampler": {"name": "transformers"}, "router_replay": "R3",
+    job = {"model_path": model, "router_replay": "R3",  # the vLLM sampler records the routes
            "engine": {"learning_rate": LEARNING_RATE, **OPTIMIZER}, "reference": {"enable": True}}
     (tmp_path / "server").mkdir()
     write_data(tmp_path)

@@ -87,7 +87,7 @@ def connect(config, settings: Settings) -> tuple[ArcticRLClient, int]:
     optim = config.optim
     ours = attach.optimizer_settings(optim.weight_decay, (optim.betas1, optim.betas2), optim.max_norm)
     job = {"model_path": config.model.name, "engine": {"learning_rate": optim.lr, **ours},
-           **({"router_replay": "R3", "sampler": {"name": "transformers"}} if config.enable_router_replay else {})}
+           **({"router_replay": "R3"} if config.enable_router_replay else {})}
     status = attach.start_or_get_job(client, status, job)
     if config.enable_router_replay and status["backend"].get("router_replay", "off") == "off":
         raise ArcticSetupError("enable_router_replay: the Arctic RL job replays no routing; start the server's job with "

@@ -39,8 +39,7 @@ def job_settings(cfg) -> dict:
     """What the job needs for SkyRL's router replay (when the adapter starts it)."""
     if not replays(cfg):
         return {}
-    # The transformers sampler records the routing it samples with (docs/losses.md, "Router replay")
-    return {"router_replay": "R3", "sampler": {"name": "transformers"}}
+    return {"router_replay": "R3"}  # the job's sampler records the routing it samples with (docs/losses.md)
 
 
 def check_job(cfg, status: dict) -> None:

@@ -29,8 +29,6 @@ def connect(arctic, model_config, optimizer_config=None) -> ArcticRLClient:
     mode = getattr(getattr(arctic, "router_replay", None), "mode", "disabled")
     if mode != "disabled":
         job.setdefault("router_replay", mode)
-        if mode == "R3":
-            job.setdefault("sampler", {"name": "transformers"})  # the sampler that records routes (docs/losses.md)
     status = attach.start_or_get_job(client, status, job, " (see actor_rollout_ref.actor.arctic.job / .model_path)")
     attach.check_model(model_config.local_path, model_config.hf_config.to_dict(), status, KEYS)
     if mode != "disabled" and status["backend"].get("router_replay", "off") == "off":
