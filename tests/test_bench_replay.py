@@ -20,5 +20,6 @@ def test_bench_replay_reports_flips_gaps_curves_and_cost(tmp_path):
     for replay in ("R3", "off"):
         assert [h["step"] for h in result["runs"][replay]] == [0, 1]
     assert {"ratio_std_native", "flipped_native"} <= set(result["runs"]["R3"][0])
-    assert set(result["cost_s"]) == {"generate_R3", "generate_off", "fwd_bwd_replayed", "fwd_bwd_own_routing"}
+    assert set(result["cost_s"]) == {"generate_R3", "generate_off", "fwd_bwd_replayed", "fwd_bwd_own_routing",
+                                     "generate_ratio", "fwd_bwd_ratio"}
     assert plot.stat().st_size > 0
