@@ -313,8 +313,12 @@ class VLLMSampler(Sampler):
         carry no record."""
         if self.routed_experts is None:
             raise ArcticRLError("this sampler records no routing (router_replay is not R3, or the model is dense)")
-        self._loop.call(lambda: (self.rpc("arctic_routed_experts_recording", args=(on,)),
-                                 setattr(self, "_recording", on)))
+
+        def switch() -> None:  # between two engine steps: no call sees the engine and the sampler disagree
+            self.rpc("arctic_routed_experts_recording", args=(on,))
+            self._recording = on
+
+        self._loop.call(switch)
 
     def _take_routes(self, results) -> dict | None:
         """R3: the records of every engine request of a call (its samples', and those a weight update cut), taken from
