@@ -1117,8 +1117,8 @@ def r3(model_dir):
         "name": "vllm", "placement": "subprocess", "kv_cache_mb": 64, "engine_args": {"enable_prefix_caching": False}}}))
     plain = uncached.generate([prompt], SamplingParams(**group), 0)
     result["uncached_cached_rows"] = uncached.rpc("arctic_routed_experts_cached_rows")[0]
-    result["prompt_rows_as_uncached"] = all(
-        np.array_equal(c.routed_experts.array()[: len(prompt)], records[0][: len(prompt)]) for c in plain)
+    result["prompt_choices_unlike_uncached"] = _disagreeing(
+        [c.routed_experts.array()[: len(prompt)] for c in plain], [records[0][: len(prompt)]] * len(plain), moe)
     uncached.close()
     return result
 
