@@ -144,6 +144,11 @@ def test_routes_without_replay_are_refused_not_ignored(moe_model, tiny_model):
 
 
 def test_routes_cross_the_wire(r3, moe_model, tmp_path):
+    import base64
+    import io
+
+    import httpx
+
     from arctic_rl_core.client import ArcticRLClient
     from arctic_rl_core.engines.distributed import free_loopback_port
     from arctic_rl_core.server.app import ServerSettings
@@ -161,6 +166,16 @@ def test_routes_cross_the_wire(r3, moe_model, tmp_path):
         result = client.log_probs(seqs)
         for taken, c in zip(result.routed_experts, completions):
             assert np.array_equal(taken.array()[: c.routed_experts.tokens], c.routed_experts.array())
+        # The OpenAI routes send vLLM's own string: `.npy` bytes in base64, from routed_experts_prompt_start.
+        for route, body in (("/v1/completions", {"prompt": PROMPT}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            reply = httpx.post(f"{url}{route}", json={**body, "max_tokens": 4, "seed": 4, "ignore_eos": True,
+                                                      "routed_experts_prompt_start": 2}, timeout=60)
+            assert reply.status_code == 200, reply.text
+            choice = reply.json()["choices"][0]
+            routes = np.load(io.BytesIO(base64.b64decode(choice["routed_experts"])), allow_pickle=False)
+            prompt_tokens = reply.json()["usage"]["prompt_tokens"]
+            assert routes.dtype == np.uint8 and routes.shape == (prompt_tokens + 4 - 1 - 2, 2, 2), routes.shape
 
 
 def test_the_token_route_returns_routes_as_prime_rl_reads_them_and_sessions_keep_them(moe_model, tmp_path):

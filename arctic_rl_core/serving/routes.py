@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import io
 import json
 from importlib import metadata
 import time
@@ -102,8 +103,21 @@ def _check_routes_start(start: int | None, prompt: list[int], field_: str) -> No
 
 
 def _routes_from(c: Completion, start: int | None) -> dict:
-    """A choice's `routed_experts` (vLLM's key), where the sampler recorded them (router replay's R3)."""
+    """A token route's choice's `routed_experts` (vLLM's key) as prime-rl's and SkyRL's servers send it, where the
+    sampler recorded them (router replay's R3)."""
     return {} if c.routed_experts is None else {"routed_experts": _routed_experts(c, start or 0)}
+
+
+def _routes_as_vllm(c: Completion, start: int | None) -> dict:
+    """An OpenAI route's choice's `routed_experts` as `vllm serve` sends it: base64 of the `[tokens, layers, top_k]`
+    array's `.npy` bytes (`np.load(io.BytesIO(base64.b64decode(s)))`), uint8 up to 256 experts, else uint16."""
+    if c.routed_experts is None:
+        return {}
+    routes = c.routed_experts.array()[start or 0:]
+    buffer = io.BytesIO()
+    np.save(buffer, routes.astype(np.uint8 if routes.size == 0 or routes.max() < 2**8 else np.uint16),
+            allow_pickle=False)
+    return {"routed_experts": base64.b64encode(buffer.getbuffer()).decode("ascii")}
 
 
 def _content_text(message: dict) -> str:
@@ -484,7 +498,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                     "token_ids": c.token_ids if req.return_token_ids else None,
                     "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                     "prompt_logprobs": _prompt_logprobs(codec, c, prompt_ids),
-                    "weight_versions": _spans(c), **_routes_from(c, req.routed_experts_prompt_start)})
+                    "weight_versions": _spans(c), **_routes_as_vllm(c, req.routed_experts_prompt_start)})
             return choices
 
         usage_head = head if req.stream_options and req.stream_options.include_usage else None
@@ -588,7 +602,7 @@ def add_serving_routes(app: FastAPI, serving: Serving, job, api_of: Callable[[],
                                                            req.return_tokens_as_token_ids)} if req.logprobs else None,
                     "finish_reason": finish_reason, "stop_reason": stop_reason,
                     "token_ids": c.token_ids if req.return_token_ids else None, "weight_versions": _spans(c),
-                    **_routes_from(c, req.routed_experts_prompt_start)})
+                    **_routes_as_vllm(c, req.routed_experts_prompt_start)})
             return choices
 
         def role(index: int) -> dict:
