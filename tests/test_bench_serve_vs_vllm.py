@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from arctic_rl_bench.serve_vs_vllm import SERVER_NICE, _below_the_client
+from arctic_rl_bench.serve_vs_vllm import SERVER_NICE, below_the_client
 
 REPORT = ("import os; group = '/proc/self/autogroup'; "
           "print(os.nice(0), open(group).read().strip() if os.path.exists(group) else '', sep='|')")
@@ -14,8 +14,8 @@ def test_a_server_and_what_it_starts_run_below_the_client():
     # The server's first process reports itself, then starts a process that reports too.
     command = [sys.executable, "-c", f"import subprocess, sys; exec({REPORT!r}); "
                f"subprocess.run([sys.executable, '-c', {REPORT!r}])"]
-    first, started = subprocess.run(command, capture_output=True, text=True, start_new_session=True,
-                                    preexec_fn=_below_the_client, timeout=60, check=True).stdout.splitlines()
+    first, started = subprocess.run(below_the_client(command), capture_output=True, text=True, start_new_session=True,
+                                    timeout=60, check=True).stdout.splitlines()
     ours = os.nice(0)
     nice, group = first.split("|")
     assert int(nice) == min(ours + SERVER_NICE, 19)  # 19 is the lowest priority there is

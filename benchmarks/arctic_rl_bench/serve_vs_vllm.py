@@ -8,7 +8,7 @@ distribution registers none). Each workload runs on both in alternating rounds, 
 round's value is their median, which a 2-core machine's stalls of a second or more then rarely decide); medians over
 rounds. Every
 request asks `ignore_eos`, so both sides sample the same number of tokens. Both servers run at a lower priority than
-the client (`_below_the_client`), which shares their machine here and must not wait for a CPU itself.
+the client (`below_the_client`), which shares their machine here and must not wait for a CPU itself.
 
 Workloads (token-id prompts on `/v1/completions`, temperature 1):
 - `short_behind_long`: 8 requests of 256 tokens, then 0.5 s later 8 of 8 tokens: the short ones' latency;
@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from arctic_rl_bench.generate import KV_CACHE_MB, MAX_MODEL_LEN, MODELS, SEED
 
@@ -71,8 +72,8 @@ def _server(command: list[str], env: dict, url: str, log_path: str, timeout_s: f
     import httpx
 
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_below_the_client)
+        proc = subprocess.Popen(below_the_client(command), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
         try:
             deadline = time.time() + timeout_s
             while True:
@@ -99,19 +100,13 @@ def _server(command: list[str], env: dict, url: str, log_path: str, timeout_s: f
 SERVER_NICE = 10
 
 
-def _below_the_client() -> None:
-    """Run in each server's first process, in its new session: the server and every process it starts yield the CPU
-    to the client. Both servers alike: the client measures them and must not itself wait for a CPU. On a 2-core
-    machine it did: runnable but not running for 2 to 9 s per heavy-tail round beside our server, up to 2 s beside
-    `vllm serve` (their engine cores spin while they wait for their workers), so the responses a server had sent
-    in 0.4 s were read seconds later. Where the kernel groups processes by session (`sched_autogroup`), a nice
-    value orders only processes of one session: the session's own is set too."""
-    os.nice(SERVER_NICE)
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(SERVER_NICE))
-    except OSError:  # no autogroups here (another kernel, or turned off): the processes' nice values order them
-        pass
+def below_the_client(command: list[str]) -> list[str]:
+    """`command` started so that the server and every process it starts yield the CPU to the client. Both servers
+    alike: the client measures them and must not itself wait for a CPU. On a 2-core machine it did: runnable but not
+    running for 2 to 9 s per heavy-tail round beside our server, up to 2 s beside `vllm serve` (their engine cores
+    spin while they wait for their workers), so the responses a server had sent in 0.4 s were read seconds later.
+    Start it in a new session: the session's own priority is set too (below_the_client.py)."""
+    return [sys.executable, str(Path(__file__).with_name("below_the_client.py")), str(SERVER_NICE), *command]
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -94,6 +95,23 @@ def cores(text: str | None) -> set[int] | None:
     return None if text is None else {int(c) for c in text.split(",")}
 
 
+@contextmanager
+def _starting_thread_on(cores: set[int] | None):
+    """While a process starts, the thread that starts it runs on `cores`: the process starts on them (Linux keeps
+    an affinity per thread, and a new process takes its starting thread's), before it runs a line. Not a
+    `preexec_fn`: that makes Python fork a copy of the caller, refused (ENOMEM) where memory is committed strictly
+    and the caller is large, where a plain start costs the caller nothing (vfork)."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def run(work: Path, model: str, url: str, shape, steps: int, off_policy: int,
         placed: dict[str, set[int]] | None = None) -> tuple[dict[str, int | None], float, dict[str, list[int]]]:
     """The three processes until the orchestrator and the trainer end; their exit codes, the wall time, and where
@@ -106,15 +124,12 @@ def run(work: Path, model: str, url: str, shape, steps: int, off_policy: int,
                 "orchestrator": [BIN / "orchestrator", "@", paths["orchestrator"]],
                 "trainer": [BIN / "arctic-rl-primerl-trainer", "--arctic-rl-url", url, "@", paths["trainer"]]}
 
-    def held(name: str):
-        if placed is None:
-            return None
-        return lambda: os.sched_setaffinity(0, placed[ROLES[name]])
-
     started = time.perf_counter()
-    procs = {name: subprocess.Popen(command, env=env, cwd=work, stdout=open(work / f"{name}.log", "w"),
-                                    stderr=subprocess.STDOUT, preexec_fn=held(name))
-             for name, command in commands.items()}
+    procs = {}
+    for name, command in commands.items():
+        with _starting_thread_on(placed[ROLES[name]] if placed else None):
+            procs[name] = subprocess.Popen(command, env=env, cwd=work, stdout=open(work / f"{name}.log", "w"),
+                                           stderr=subprocess.STDOUT)
     on_cores = {name: sorted(os.sched_getaffinity(proc.pid)) for name, proc in procs.items()} if placed else {}
     deadline = time.time() + TIMEOUT_S
     try:
