@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -166,6 +167,11 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=wrapper, optimizer=optimizer, model_parameters=params, config=ds_config
         )
+        # ZeRO-3's hooks keep DeepSpeed's engine reachable after the job is gone, and with it its buffers (a 2 GB
+        # gradient bucket by default) and the model: it is destroyed with the job, at `close` or once ours is
+        # collected, so a process that starts jobs one after another (tenants, tests) does not keep them all.
+        self._destroy = weakref.finalize(self, self.engine.destroy)
+        self._destroy.atexit = False  # a process that ends frees it all anyway
         inference_behaviour(self.engine.module)
         self._check_exactness(wrapper, want_zorro)
         wrapper.router_replay = self.router_replay = (
@@ -183,6 +189,10 @@ class DeepSpeedEngine(TrainingEngine):
         self._grad_finite: list[torch.Tensor] = []
         for _, param in self._trainable:
             param.register_hook(_finite_flag_into(self._grad_finite))
+
+    def close(self) -> None:
+        """Release DeepSpeed's engine: its hooks, buffers and model (see `_destroy`). Once."""
+        self._destroy()
 
     def _wrap(self, model: torch.nn.Module, hf_config, config: BackendConfig) -> torch.nn.Module:
         """The module DeepSpeed trains: the policy's logits (log-probs) at the response rows."""
