@@ -121,3 +121,29 @@ def test_the_critics_checkpoint_resumes_the_job_and_the_critics_schedule(server,
     critic_step(resumed)
     assert (client.state_digest(), client.status()["backend"]["critic"]["learning_rate"]) == continued
     assert 0 < continued[1] < cfg.trainer.critic.optimizer_config.lr  # mid warm-up: the critic's schedule resumed
+
+
+def test_the_experiments_prompt_data_sets_filter_in_at_most_the_drivers_cores(server, tiny_model, tmp_path,
+                                                                               monkeypatch):
+    """SkyRL's main_base builds each prompt data set with 8 filtering processes, each a new interpreter (75 CPU s
+    on a 2-core machine): the adapter's experiment asks at most the driver's cores, and leaves main_base as it was."""
+    import pandas as pd
+    import skyrl.train.entrypoints.main_base as main_base
+    from skyrl.train.config import SkyRLTrainConfig
+
+    from arctic_rl_skyrl.trainer import ArcticPPOExp
+
+    data = str(tmp_path / "prompts.parquet")
+    pd.DataFrame([{"data_source": "arctic_toy", "prompt": [{"role": "user", "content": f"what is {i} plus 3?"}],
+                   "env_class": "gsm8k", "reward_spec": {"method": "rule", "ground_truth": str(i + 3)},
+                   "extra_info": {"split": "train"}} for i in range(4)]).to_parquet(data)
+    _, skyrl_overrides = split_overrides(overrides(server, tiny_model, f"data.train_data=['{data}']",
+                                                   f"data.val_data=['{data}']", "trainer.eval_interval=1",
+                                                   "trainer.train_batch_size=2"))
+    cfg = SkyRLTrainConfig.from_cli_overrides(skyrl_overrides)
+    built = main_base.PromptDataset
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # a 1-core driver: it filters in its own process
+    experiment = ArcticPPOExp(cfg, client=None)
+    assert experiment.train_dataset.num_workers == experiment.eval_dataset.num_workers == 1
+    assert len(experiment.train_dataset) == 4
+    assert main_base.PromptDataset is built

@@ -3,7 +3,8 @@
 `ArcticPPOExp` is SkyRL's `BasePPOExp` building the same tracker, inference client (SkyRL's
 `RemoteInferenceClient` on the server's vLLM-compatible routes), generator (SkyRL-Gym's) and
 trainer; only the models differ: `build_models` installs an `ArcticDispatch` where SkyRL would
-start FSDP or Megatron workers. The trainer is SkyRL's synchronous one, or with
+start FSDP or Megatron workers. Its prompt data sets filter their prompts in at most as many processes
+as the driver has cores (SkyRL's main_base asks 8, each a new interpreter). The trainer is SkyRL's synchronous one, or with
 `trainer.fully_async.enabled=true` its fully asynchronous one (generation runs on while the
 backend trains, weights synced after each step, staleness bounded by SkyRL). The training loop,
 advantages, rewards, dynamic sampling and logging are SkyRL's code, unchanged.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import skyrl.train.entrypoints.main_base as main_base
 from loguru import logger
 from skyrl.train.entrypoints.main_base import BasePPOExp
 from skyrl.train.fully_async_trainer import FullyAsyncRayPPOTrainer
@@ -58,9 +60,26 @@ class ArcticFullyAsyncTrainer(ArcticModels, FullyAsyncRayPPOTrainer):
     pass
 
 
+def prompt_filter_processes_patch():
+    """SkyRL's main_base builds its prompt data sets with 8 filtering processes, whatever the machine: each is a new
+    interpreter importing torch (about 9 CPU s), 75 CPU s per data set on a 2-core machine. At most the driver's
+    cores; a cluster's head node with 8 or more keeps SkyRL's 8."""
+    from arctic_rl_core.patches import Patch
+
+    def make(original):
+        def prompt_dataset(*args, num_workers: int = 8, **kwargs):
+            return original(*args, num_workers=min(num_workers, len(os.sched_getaffinity(0))), **kwargs)
+
+        return prompt_dataset
+
+    return Patch(main_base, "PromptDataset", make, by=__name__,
+                 reason="main_base's prompt data sets filter in at most as many processes as the driver has cores")
+
+
 class ArcticPPOExp(BasePPOExp):
     def __init__(self, cfg, client: ArcticRLClient):
-        super().__init__(cfg)
+        with prompt_filter_processes_patch().applied():  # BasePPOExp builds its data sets as it starts
+            super().__init__(cfg)
         self.client = client
 
     def get_trainer(self, *args, **kwargs) -> ArcticModels:
