@@ -167,9 +167,10 @@ class DeepSpeedEngine(TrainingEngine):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=wrapper, optimizer=optimizer, model_parameters=params, config=ds_config
         )
-        # ZeRO-3's hooks keep DeepSpeed's engine reachable after the job is gone, and with it its buffers (a 2 GB
-        # gradient bucket by default) and the model: it is destroyed with the job, at `close` or once ours is
-        # collected, so a process that starts jobs one after another (tenants, tests) does not keep them all.
+        # ZeRO-3 keeps DeepSpeed's engine reachable after the job is gone (its process-wide forward stack and a
+        # class-level cache hold the model), and with it its buffers: a 2 GB gradient bucket by default. It is
+        # destroyed with the job, at `close` or once ours is collected, which frees the buffers, so a process that
+        # starts jobs one after another (tests, tenants) does not pile them up. The model itself stays reachable.
         self._destroy = weakref.finalize(self, self.engine.destroy)
         self._destroy.atexit = False  # a process that ends frees it all anyway
         inference_behaviour(self.engine.module)
