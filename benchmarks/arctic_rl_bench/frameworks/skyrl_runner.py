@@ -41,8 +41,8 @@ def algorithm(model: str, folder: str, shape, steps: int) -> list[str]:
     """SkyRL's GRPO as every column runs it: one update a step, the bench's optimizer, no KL."""
     return [
         f"trainer.policy.model.path={model}", f"data.train_data=['{folder}/train.parquet']",
-        f"data.val_data=['{folder}/train.parquet']", f"environment.env_class={ENV_ID}",
-        "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=false",
+        f"data.val_data=['{folder}/train.parquet']", "data.dataloader.num_workers=0",  # as docs/skyrl.md
+        f"environment.env_class={ENV_ID}", "trainer.algorithm.advantage_estimator=grpo", "trainer.algorithm.use_kl_loss=false",
         f"generator.n_samples_per_prompt={shape.samples_per_prompt}",
         f"trainer.train_batch_size={shape.prompts_per_step}",
         f"trainer.policy_mini_batch_size={shape.prompts_per_step}",  # one update per step, as in verl's columns
