@@ -192,7 +192,7 @@ class DeepSpeedEngine(TrainingEngine):
             param.register_hook(_finite_flag_into(self._grad_finite))
 
     def close(self) -> None:
-        """Release DeepSpeed's engine: its hooks, buffers and model (see `_destroy`). Once."""
+        """Destroy DeepSpeed's engine: its hooks and buffers (see `_destroy`). Once."""
         self._destroy()
 
     def _wrap(self, model: torch.nn.Module, hf_config, config: BackendConfig) -> torch.nn.Module:

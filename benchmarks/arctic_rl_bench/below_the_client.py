@@ -3,8 +3,8 @@
 The bench starts each server through this script in a new session (`start_new_session`). The script lowers its own
 priority, and its session's where the kernel groups processes by session (`sched_autogroup`: there a nice value
 orders only processes of one session), then becomes the server by exec. It is a process of its own, not a
-`preexec_fn`: a `preexec_fn` makes Python fork a copy of the client, which a kernel that commits memory strictly
-refuses (ENOMEM) once the client is large, where a plain start costs the client nothing (vfork)."""
+`preexec_fn`: a `preexec_fn` makes Python fork a copy of the client, which Linux refuses (ENOMEM) once one of the
+client's mappings is larger than its memory, where a plain start copies nothing (vfork)."""
 
 import os
 import sys

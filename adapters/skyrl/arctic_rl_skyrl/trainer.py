@@ -3,9 +3,9 @@
 `ArcticPPOExp` is SkyRL's `BasePPOExp` building the same tracker, inference client (SkyRL's
 `RemoteInferenceClient` on the server's vLLM-compatible routes), generator (SkyRL-Gym's) and
 trainer; only the models differ: `build_models` installs an `ArcticDispatch` where SkyRL would
-start FSDP or Megatron workers. Its prompt data sets filter their prompts in at most as many processes
-as the driver has cores (SkyRL's main_base asks 8, each a new interpreter). The trainer is SkyRL's synchronous one, or with
-`trainer.fully_async.enabled=true` its fully asynchronous one (generation runs on while the
+start FSDP or Megatron workers, and its prompt data sets filter in at most as many processes as the
+driver has cores (SkyRL's main_base asks 8, each a new interpreter). The trainer is SkyRL's
+synchronous one, or with `trainer.fully_async.enabled=true` its fully asynchronous one (generation runs on while the
 backend trains, weights synced after each step, staleness bounded by SkyRL). The training loop,
 advantages, rewards, dynamic sampling and logging are SkyRL's code, unchanged.
 """

@@ -99,8 +99,8 @@ def cores(text: str | None) -> set[int] | None:
 def _starting_thread_on(cores: set[int] | None):
     """While a process starts, the thread that starts it runs on `cores`: the process starts on them (Linux keeps
     an affinity per thread, and a new process takes its starting thread's), before it runs a line. Not a
-    `preexec_fn`: that makes Python fork a copy of the caller, refused (ENOMEM) where memory is committed strictly
-    and the caller is large, where a plain start costs the caller nothing (vfork)."""
+    `preexec_fn`: that makes Python fork a copy of the caller, refused (ENOMEM) once one of the caller's mappings
+    is larger than the machine's memory, where a plain start copies nothing (vfork)."""
     if cores is None:
         yield
         return
