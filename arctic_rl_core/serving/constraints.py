@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from arctic_rl_core.errors import InvalidRequest
-from arctic_rl_core.serving.protocol import NamedToolChoice
+from arctic_rl_core.serving.chat.protocol import NamedToolChoice
 
 _EMPTY_OBJECT = {"type": "object", "properties": {}}
 

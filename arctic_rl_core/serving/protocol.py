@@ -1,4 +1,5 @@
-"""The request schemas of the OpenAI- and vLLM-compatible routes, and how they become `SamplingParams`.
+"""What the request schemas of the OpenAI- and vLLM-compatible routes share, and how they become `SamplingParams`
+(each route family's own schema is in its package's `protocol`).
 
 Requests are parsed strictly: a parameter we do not know is refused, naming it,
 and so is one we know but cannot honour unless it has its neutral value (an
@@ -51,16 +52,16 @@ def parse_request(model: type[BaseModel], body: Any):
     return parse(model, body, "")
 
 
-class _Request(BaseModel):
+class StrictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Request):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class StructuredOutputsRequest(_Request):
+class StructuredOutputsRequest(StrictRequest):
     """vLLM's `structured_outputs` (`StructuredOutputsParams`): one constraint on the reply."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -78,7 +79,7 @@ class StructuredOutputsRequest(_Request):
     """vLLM's backend options: only at their defaults (this server lets vLLM choose the grammar backend)."""
 
 
-class RepetitionDetectionRequest(_Request):
+class RepetitionDetectionRequest(StrictRequest):
     """vLLM's `repetition_detection`: `max_pattern_size` 0 turns it off; `min_pattern_size` 0 means 1."""
 
     max_pattern_size: int = Field(0, ge=0)
@@ -92,21 +93,21 @@ class RepetitionDetectionRequest(_Request):
                 "min_count": self.min_count}
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(StrictRequest):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(StrictRequest):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON that a schema validates."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampled(_Request):
+class SampledRequest(StrictRequest):
     """What completions and chat requests share."""
 
     model: str | None = None
@@ -213,10 +214,10 @@ class _Sampled(_Request):
                   "top_p": 1.0 if self.top_p is None else self.top_p,
                   "top_k": 0 if self.top_k in (None, -1) else self.top_k,
                   "structured_outputs": constraint or self.constraint()}
-        return _sampling({**values, **_shaping(self)})
+        return sampling_params_of({**values, **shaping(self)})
 
 
-def _shaping(request) -> dict:
+def shaping(request) -> dict:
     """The penalties, min_p, biases, allowed and banned tokens, repetition detection and whose log-probs, as
     `SamplingParams` names them (a null is the default)."""
     values = {"min_p": request.min_p, "logprobs_of": request.logprobs_of, "presence_penalty": request.presence_penalty,
@@ -227,165 +228,7 @@ def _shaping(request) -> dict:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def _sampling(values: dict, where: str = "") -> SamplingParams:
+def sampling_params_of(values: dict, where: str = "") -> SamplingParams:
     from arctic_rl_core.validation import parse
 
     return parse(SamplingParams, values, where.rstrip("."))
-
-
-class CompletionRequest(_Sampled):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    """0 only with `echo`: the prompt back, and its log-probs, with nothing sampled (as vLLM)."""
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_special_tokens: bool = True
-    echo: bool | None = False
-    """The prompt's text before each choice's; with `logprobs`, the prompt's log-probs before the completion's
-    (the first prompt token's null: it has no context)."""
-    best_of: int | None = None
-    """Accepted and not applied, as by vLLM 0.32, whose engine has no best-of sampling: each of the `n` choices is
-    one sample."""
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_Sampled):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    continue_final_message: bool = False
-    """vLLM's: the reply continues the last message (rendered open, without its end), with
-    `add_generation_prompt: false`."""
-    documents: list[dict[str, str]] | None = None
-    """vLLM's: documents for the chat template (retrieval-augmented templates render them)."""
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    """vLLM's: a chat template variable, with `enable_thinking` (false for "none") unless the request's
-    `chat_template_kwargs` set it."""
-    echo: bool = False
-    """vLLM's: the prompt's log-probs are returned, and where the last message is the reply's role its content
-    comes before each reply's."""
-    return_prompt_text: bool = False
-    """vLLM's: the rendered prompt's text in the response (`prompt_text`)."""
-
-    def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's variables: `chat_template_kwargs`, and `reasoning_effort` as vLLM passes it."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            kwargs["reasoning_effort"] = self.reasoning_effort
-            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
-        return kwargs or None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    """Tools are rendered into the prompt by the chat template. `auto`: the server's `--tool-call-parser` (if any)
-    reads calls out of the reply; `required` or a named function: the reply is constrained to calls
-    (`serving.constraints`), as `vllm serve` does."""
-    parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
-
-
-class TokenSamplingParams(_Request):
-    """vLLM's `SamplingParams` as `/inference/v1/generate` takes them (its defaults)."""
-
-    n: int = Field(1, ge=1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    max_tokens: int | None = Field(16, ge=1)
-    min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs_of: Literal["model", "sampler"] = "sampler"
-    """Ours, as the chat and completions routes' `logprobs_of`."""
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    repetition_detection: RepetitionDetectionRequest | None = None
-    logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
-    prompt_logprobs: int | None = Field(None, ge=-1, le=MAX_TOP_LOGPROBS)
-    flat_logprobs: bool = False
-    detokenize: bool = True
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    output_kind: int | None = None
-    stream_interval: int | None = None
-    skip_clone: bool | None = None
-    output_text_buffer_length: int | None = None
-    skip_reading_prefix_cache: bool | None = None
-    routed_experts_prompt_start: int | None = None
-    trace_decode_token_ids: bool | None = None
-    return_token_ids: bool | None = None
-    cache_salt: str | None = None
-    """These two prime-rl's orchestrator puts in every policy request's `sampling_params`, where vLLM's
-    `SamplingParams` drops them as unknown keys: this route returns token ids whatever the first says, and the
-    sampler's prefix cache never outlives a weight version, which is what the salt is for."""
-
-
-class TokenGenerateRequest(_Request):
-    """vLLM 0.32's `GenerateRequest` (token in, token out): the route SkyRL and PrimeRL train from."""
-
-    request_id: str | None = None
-    token_ids: list[int] = Field(min_length=1)
-    token_offsets: list[tuple[int, int]] | None = None
-    sampling_params: TokenSamplingParams
-    model: str | None = None
-    return_token_ids: bool | None = None
-    output_mode: Literal["tokens", "text"] = "tokens"
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
-    session_id: str | None = Field(None, min_length=1, max_length=SESSION_ID_CHARS)
-    priority: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
-    ec_transfer_params: dict[str, Any] | None = None
-    """As the chat and completions routes take them: no effect under this server's scheduling, with no connector."""
-    return_sample_support: bool = False
-    """SkyRL's (`/skyrl/v1/generate`): refused, as the sample support replay it serves."""
-
-    def sampling(self, max_tokens: int) -> SamplingParams:
-        sp = self.sampling_params
-        stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
-        return _sampling({"n": sp.n, "temperature": sp.temperature, "top_p": sp.top_p,
-                          "top_k": 0 if sp.top_k == -1 else sp.top_k, "seed": sp.seed, "stop": stops,
-                          "stop_token_ids": sp.stop_token_ids or [], "max_tokens": max_tokens,
-                          "min_tokens": sp.min_tokens, "ignore_eos": sp.ignore_eos,
-                          "logprobs": max(sp.logprobs or 0, 0),
-                          "prompt_logprobs": None if sp.prompt_logprobs is None else max(sp.prompt_logprobs, 0),
-                          **_shaping(sp)},
-                         "sampling_params.")
-
-
-class TokenizeRequest(_Request):
-    """vLLM's `/tokenize`: a text prompt, or chat messages rendered by the model's template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    add_special_tokens: bool | None = None
-    """Default: True for a prompt, False for messages (the template writes its own)."""
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[int]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arctic_rl_core.serving.protocol import ChatCompletionRequest, NamedToolChoice
+from arctic_rl_core.serving.chat.protocol import ChatCompletionRequest, NamedToolChoice
 
 
 def parser_class(name: str, tokenizer) -> type:

@@ -1,0 +1,1 @@
+"""`/v1/chat/completions`: its request schema and its route."""
