@@ -22,6 +22,7 @@ from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.locks import SharedLock
+from arctic_rl_core.samplers import engine_placement
 from arctic_rl_core.validation import parse
 from arctic_rl_core.types import (
     AdamSettings,
@@ -91,8 +92,9 @@ def parse_sequences(sequences: Any, field: str = "sequences") -> list[Sequence]:
 
 
 class InProcessBackend(TrainingAPI):
-    def __init__(self, config: BackendConfig | dict, plugins: PluginManager | None = None):
-        self.config = parse(BackendConfig, config, "config")
+    def __init__(self, config: BackendConfig | dict, plugins: PluginManager | None = None, served: bool = False):
+        """`served`: the job runs under a server (`arctic-rl serve`), which decides `sampler.placement: auto`."""
+        self.config = engine_placement.resolved(parse(BackendConfig, config, "config"), served)
         self.plugins = plugins = plugins if plugins is not None else load_plugins()
         """Where this backend finds its losses, post-processors, engine and sampler."""
         engine_factory = plugins.engine_factory(self.config.engine.name)
@@ -641,7 +643,7 @@ class InProcessBackend(TrainingAPI):
             "critic": None if self.critic is None else self.critic.describe(),
             "sampler": (self.sampler.describe() if hasattr(self.sampler, "describe") else
                         [{"replica": 0, "node": "driver", "pid": os.getpid(), "healthy": True,
-                          "weight_version": self._weight_version}]),
+                          "weight_version": self._weight_version, "placement": self.config.sampler.placement}]),
         }
 
     def state_digest(self) -> str:

@@ -139,8 +139,12 @@ class SamplerConfig(_Config):
     across them, and a replica that dies is replaced (docs/placement.md)."""
     dtype: Dtype | None = None
     """Defaults to the engine's dtype."""
-    placement: Literal["in_process", "subprocess"] = "in_process"
-    """vLLM's engine in this process (colocated), or in its own process (disaggregated)."""
+    placement: Literal["auto", "in_process", "subprocess"] = "auto"
+    """Where vLLM's engine core runs. `in_process`: on a thread of this process, beside the trainer (the fastest weight
+    sync). `subprocess`: in a process of its own, as `vllm serve` runs it, so a server's HTTP layer and the engine's
+    loop do not take turns on one interpreter lock. `auto`: `subprocess` under `arctic-rl serve` (with 2 or more cores;
+    on GPUs with `sync: broadcast`), else `in_process`, as for an `InProcessBackend` in a script (docs/sampler.md).
+    Each replica of a pool runs its engine in its own Ray actor."""
     sync: Literal["shared_memory", "broadcast", "file"] = "shared_memory"
     """How `sync_weights` moves weights. `shared_memory`: in process, the trainer's tensors are handed over;
     to a vLLM subprocess on a CPU host, buckets go through two shared-memory slots; to replicas, buckets go

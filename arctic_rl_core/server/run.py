@@ -19,7 +19,7 @@ from arctic_rl_core.server.security import TOKEN_ENV, check_bind
 def _backend_factory(config: BackendConfig):
     from arctic_rl_core.backend import InProcessBackend
 
-    return InProcessBackend(config)
+    return InProcessBackend(config, served=True)
 
 
 def build_server(settings: ServerSettings, config: BackendConfig | None = None, backend_factory=_backend_factory) -> uvicorn.Server:
