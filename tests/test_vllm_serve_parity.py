@@ -152,7 +152,8 @@ def test_the_tables_hold_every_field_of_vllms_request_models():
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
+def started(tmp_path_factory):
+    """Both servers' URLs, and our server's process id."""
     from arctic_rl_bench.generate import MAX_MODEL_LEN
     from arctic_rl_bench.serve_vs_vllm import _arctic_command, _ports, _server, _vllm_command
 
@@ -165,13 +166,32 @@ def servers(tmp_path_factory):
     env = {**standalone_env(), "VLLM_LOGGING_LEVEL": "WARNING"}
     ours, theirs = _ports(2)
     # Tool calls read by the same parser on both (vLLM also wants auto tool choice turned on).
-    arctic = _arctic_command(model, ours, work, "in_process") + ["--tool-call-parser", "hermes"]
+    arctic = _arctic_command(model, ours, work) + ["--tool-call-parser", "hermes"]
     # (and the token-in, token-out route, which vLLM serves only when asked)
     vllm = _vllm_command(model, theirs) + ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                            "--enable-scale-out"]
-    with _server(arctic, env, f"http://127.0.0.1:{ours}", os.path.join(work, "arctic.log")) as arctic_url, \
-            _server(vllm, env, f"http://127.0.0.1:{theirs}", os.path.join(work, "vllm.log")) as vllm_url:
-        yield {"arctic": arctic_url, "vllm": vllm_url}
+    with _server(arctic, env, f"http://127.0.0.1:{ours}", os.path.join(work, "arctic.log")) as (arctic_url, pid), \
+            _server(vllm, env, f"http://127.0.0.1:{theirs}", os.path.join(work, "vllm.log")) as (vllm_url, _):
+        yield {"arctic": arctic_url, "vllm": vllm_url}, pid
+
+
+@pytest.fixture(scope="module")
+def servers(started):
+    return started[0]
+
+
+def test_our_server_runs_vllms_engine_core_in_a_process_of_its_own_by_default(started):
+    """`arctic-rl serve` on a job that sets no placement: vLLM's engine core and its worker are processes of their
+    own under the server, as under `vllm serve`, and the status route says which placement runs."""
+    import psutil
+
+    urls, pid = started
+    status = httpx.get(f"{urls['arctic']}/v1/status", timeout=60).json()
+    assert status["config"]["sampler"]["placement"] == "auto"
+    assert [row["placement"] for row in status["backend"]["sampler"]] == ["subprocess"]
+    names = [p.name() for p in psutil.Process(pid).children(recursive=True)]
+    # (a name as the kernel keeps it: its first 15 characters)
+    assert any(n.startswith("VLLM::EngineCor") for n in names) and any(n.startswith("VLLM::Worker") for n in names), names
 
 
 def _post(url: str, route: str, body: dict) -> tuple[int, dict]:

@@ -100,8 +100,9 @@ def add_arguments(p) -> None:
                         "are not used)")
     p.add_argument("--rounds", type=int, default=3, help="--vs-vllm: alternating rounds, medians reported")
     p.add_argument("--workloads", nargs="+", default=None, help="--vs-vllm: a subset of the workloads")
-    p.add_argument("--placement", choices=["subprocess", "in_process"], default="subprocess",
-                   help="--vs-vllm: our vLLM engine core in a process of its own (as vllm serve runs it) or ours")
+    p.add_argument("--placement", choices=["subprocess", "in_process"], default=None,
+                   help="--vs-vllm: our vLLM engine core in a process of its own (as vllm serve runs it) or in the "
+                        "server's (default: the job's default, what `arctic-rl serve` chooses)")
     p.add_argument("--model", choices=["compute", "tiny"], default="compute",
                    help="--vs-vllm: a model whose arithmetic is most of a step, or a tiny one")
     p.add_argument("--one-at-a-time", action="store_true",
