@@ -57,6 +57,10 @@ def sync(model_dir, sync_path, placement, layout):
     from arctic_rl_core.types import Sequence
     from tests.helpers import grpo_batch
 
+    def shared_files() -> set[str]:
+        return {f for f in os.listdir("/dev/shm") if f.startswith("arctic-rl-sync-")}
+
+    others = shared_files()  # another process's (a test beside this one) are not this sampler's
     api = backend(model_dir, sync_path, placement, layout)
     in_process = placement == "in_process"
     if in_process:
@@ -81,7 +85,7 @@ def sync(model_dir, sync_path, placement, layout):
         result["written_in_place"] = storage_after == storage_before
         result["plain_linear"] = plain
     result["sync_route"] = api.describe()["sync_route"]
-    result["shared_memory_files"] = sorted(f for f in os.listdir("/dev/shm") if f.startswith("arctic-rl-sync-"))
+    result["shared_memory_files"] = sorted(shared_files() - others)
     completions = api.generate([batch[0].prompt_ids], {"n": 4, "max_tokens": 6, "temperature": 0.8, "seed": 3})
     scored = api.log_probs(
         [Sequence(prompt_ids=batch[0].prompt_ids, response_ids=c.token_ids) for c in completions],
@@ -109,6 +113,7 @@ def sync(model_dir, sync_path, placement, layout):
     while any(running(p) for p in engine) and time.monotonic() < deadline:
         time.sleep(0.1)
     result["engine_processes"] = sorted(engine.values())
+    result["shared_memory_files_after_close"] = sorted(shared_files() - others)
     result["processes_after_close"] = sorted(name for p, name in engine.items() if running(p))
     return result
 

@@ -39,7 +39,14 @@ from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_plain_weights import PACKED_LOAD_FORMAT as PACKED_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_routed_experts import rows_of, sample_record
-from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group, map_shared, tensor_at, unlink_shared
+from arctic_rl_core.samplers.vllm_worker import (
+    BucketSender,
+    join_group,
+    map_shared,
+    release_shared_slots,
+    tensor_at,
+    unlink_shared,
+)
 from arctic_rl_core.samplers.weight_placement import PlacementError, checkpoint_shapes, destinations, place
 from arctic_rl_core.types import Completion, RepetitionDetection, RoutedExperts, SamplingParams, StructuredOutputs
 
@@ -48,6 +55,11 @@ log = logging.getLogger("arctic_rl.sampler")
 _EXTENSION = "arctic_rl_core.samplers.vllm_worker.WorkerExtension"
 _SYNC_TIMEOUT_S = 600
 _BROADCAST_PORT = 29600
+_WORKER_IN_ENGINE_CORE = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+"""vLLM's executor of one worker inside the engine core's process, as vLLM runs a one-device engine on GPUs. On CPU,
+vLLM 0.32 picks its multiprocessing executor instead (a worker process of its own), whose engine core spins while
+the worker computes: on 2 cores that spin took the CPU from the worker and the server, 16 x 256 tokens 1.25x slower
+(measured, docs/sampler.md). Given by its class's name, it is not the `uni` name vLLM's CPU platform replaces."""
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ranks vLLM's `max_lora_rank` may take: the served adapters' rank, rounded up."""
 
@@ -125,6 +137,9 @@ class VLLMSampler(Sampler):
         # prefilled in chunks; prefilling whole prompts avoids it.
         cpu_only = {} if self.cuda else {"enable_chunked_prefill": False,
                                          "max_num_batched_tokens": max(self.max_context, 8192)}
+        one_worker = all(int(sc.engine_args.get(k, 1)) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size"))
+        if not self.cuda and sc.placement == "subprocess" and one_worker:
+            cpu_only["distributed_executor_backend"] = _WORKER_IN_ENGINE_CORE
         if not self.cuda:
             cpu_only["load_format"] = (PLAIN_WEIGHTS_LOAD_FORMAT if sc.cpu_weight_layout == "plain"
                                        else PACKED_WEIGHTS_LOAD_FORMAT)
@@ -505,5 +520,6 @@ class VLLMSampler(Sampler):
         # the trainer's engine holds.
         if self.config.placement == "subprocess":
             self.llm.llm_engine.engine_core.shutdown()
+        release_shared_slots(self)
         if self._remove_sync_dir is not None:
             self._remove_sync_dir()

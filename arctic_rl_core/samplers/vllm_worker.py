@@ -80,6 +80,14 @@ class SharedSlot:
         self._unlink()
 
 
+def release_shared_slots(owner) -> None:
+    """Unlink the shared-memory slots a `BucketSender` keeps on `owner` for its next sync: the one packed last may
+    never have been mapped, and a process that a signal ends runs no finalizer (the server closes its job first)."""
+    for slot in owner.__dict__.pop("_arctic_shared_slots", ()):
+        if slot is not None:
+            slot.unlink()
+
+
 def tensor_at(flat: torch.Tensor, offset: int, dtype: torch.dtype | str, shape) -> torch.Tensor:
     """The tensor of `dtype` (or its name) and `shape` stored in the byte buffer `flat` from `offset`."""
     dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
