@@ -10,7 +10,8 @@ Arctic RL is imported, and the patches that let the framework run on a CPU are l
 `--placement disaggregated` gives generation and training cores of their own, as a framework's own deployment gives
 its inference and its trainer GPUs of their own (`core_split`): the server's sampler runs in its own process
 (`sampler.placement: subprocess`), and it and the framework's rollout processes are held to one half of the cores,
-the server's trainer to the other. `shared` (the default) leaves every process on every core.
+the server's trainer to the other. `shared` (the default) leaves every process on every core, and the sampler where
+the job's default puts it.
 
 Reported per framework, shape and column: medians of steps 2 and later (the first warms engines up) per phase,
 over all rounds; each phase's ratio alone / ZoRRo off and off / on, beside ZoRRo's dedup bound for the shape;
@@ -129,11 +130,12 @@ def environment(script: str) -> str:
 
 def job(framework: Framework, model: str, zorro: bool, dtype: str, placement: str = "shared") -> dict:
     """The server's job for a column through Arctic RL: the engine trains in `dtype`; the sampler generates in fp32,
-    as every column's vLLM does, in the server's process (`shared`) or in its own (`disaggregated`)."""
+    as every column's vLLM does, where the job's default puts it (`shared`), or in a process of its own
+    (`disaggregated`, held to its cores)."""
     spec = {**framework.job, "model_path": model, "zorro": {"enable": zorro}}
     spec["engine"] = {**spec.get("engine", {}), "dtype": dtype}
     spec["sampler"] = {**spec.get("sampler", {}), "dtype": "float32",
-                       "placement": "subprocess" if placement == "disaggregated" else "in_process"}
+                       **({"placement": "subprocess"} if placement == "disaggregated" else {})}
     return spec
 
 
