@@ -153,5 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def run() -> None:
+    """The `arctic-rl` command: `main`, then the process ends with its status (arctic_rl_core/process_exit.py)."""
+    from arctic_rl_core.process_exit import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

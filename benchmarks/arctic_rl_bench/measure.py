@@ -47,14 +47,16 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, cuda
 
 def worker_main(worker: Callable[..., dict], *types: Callable[[str], object]) -> None:
     """The `--worker` side of `run_worker`: `worker` on this process's arguments (each converted by its type),
-    its result printed as the last JSON line."""
+    its result printed as the last JSON line; then the process ends (arctic_rl_core/process_exit.py)."""
     from transformers.utils import logging as hf_logging
 
     from arctic_rl_core.engines.distributed import select_accelerator
+    from arctic_rl_core.process_exit import exit_now
 
     select_accelerator()
     hf_logging.disable_progress_bar()
     print(json.dumps(worker(*(convert(arg) for convert, arg in zip(types, sys.argv[2:], strict=True)))), flush=True)
+    exit_now(0)
 
 
 def run_worker(module: str, *args: str) -> dict:
