@@ -1,24 +1,19 @@
 """The vLLM sampler: weights really arrive on every sync path, generate runs during training, bad input.
 
-Each scenario runs in its own interpreter (one backend per process, as deployed).
+Each scenario runs in a process of its own (one backend per process, as deployed), forked from an interpreter that
+has imported the libraries already (tests/preimported.py).
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from arctic_rl_core.engines.distributed import standalone_env
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import preimported
 
 
 def run_scenario(*args, timeout=300):
-    env = standalone_env()
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm_scenarios", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = preimported.run("tests.vllm_scenarios", *args, env=standalone_env(), timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(lines[-1][len("RESULT "):])

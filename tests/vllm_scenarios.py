@@ -1168,6 +1168,7 @@ def r3_families(root):
 
 if __name__ == "__main__":
     from arctic_rl_core.engines.distributed import select_accelerator
+    from arctic_rl_core.process_exit import exit_now
     from transformers.utils import logging as hf_logging
 
     select_accelerator()
@@ -1180,3 +1181,4 @@ if __name__ == "__main__":
               "cancelled": cancelled, "constrained": constrained, "snapshots": snapshots,
               "r3": r3, "r3_families": r3_families}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)
+    exit_now(0)
