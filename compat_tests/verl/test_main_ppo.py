@@ -67,12 +67,16 @@ def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int
     return log
 
 
-def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_path):
-    before = client.status()["backend"]
-    digest = client.state_digest()
-    log = run_documented("main_ppo", tiny_model, server, tmp_path, STEPS)
+def grpo_run(marker: str, tiny_model, server, client, folder) -> dict:
+    """The documented command `marker` for STEPS GRPO steps, with the backend's status around it."""
+    before, digest = client.status()["backend"], client.state_digest()
+    log = run_documented(marker, tiny_model, server, folder, STEPS)
+    return {"before": before, "after": client.status()["backend"], "digest": digest,
+            "digest_after": client.state_digest(), "log": log}
 
-    after = client.status()["backend"]
+
+def assert_trained_the_jobs_engine_from_its_sampler(run: dict) -> None:
+    before, after = run["before"], run["after"]
     # The job verl talked to: one process, or 2 trainer ranks and 2 sampler replicas (ARCTIC_RL_COMPAT_JOB).
     actors = 2 if os.environ.get("ARCTIC_RL_COMPAT_JOB") == "distributed" else 1
     assert len(after["trainer"]) == len(after["sampler"]) == actors
@@ -80,15 +84,48 @@ def test_main_ppo_grpo_steps_run_on_arctic_rl(tiny_model, server, client, tmp_pa
     # Generation came from Arctic RL's sampler: 16 prompts x n=4 per step went through its generate.
     assert after["generated"]["completions"] - before["generated"]["completions"] >= STEPS * 4 * 4
     # The trainer's weights changed and were synced into the sampler at start and after each step.
-    assert client.state_digest() != digest
+    assert run["digest_after"] != run["digest"]
     assert after["optimizer_steps"] - before["optimizer_steps"] == STEPS
     assert after["weight_version"] - before["weight_version"] >= STEPS
+
+
+def assert_verls_loss_is_the_backends(run: dict) -> None:
     # verl's reported policy loss (its own ppo_loss on our log-probs) equals the loss our backend trained on.
+    log = run["log"]
     verl_loss, arctic_loss = metric(log, "actor/pg_loss"), metric(log, "actor/arctic/loss")
     assert len(verl_loss) == len(arctic_loss) == STEPS, log[-3000:]
     for ours, theirs in zip(arctic_loss, verl_loss):
         assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
     assert metric(log, "actor/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
+
+
+# run.sh runs the adapter's config (`main_ppo`) against the one-process job and verl's own config with the native
+# keys (`main_ppo_native`) against the 2-rank, 2-replica job: the config path and the job's shape are independent
+# (verl sees the same API), so each pairing is run once, each with the whole set of checks.
+@pytest.fixture(scope="module")
+def adapter_config_run(tiny_model, server, client, tmp_path_factory):
+    return grpo_run("main_ppo", tiny_model, server, client, tmp_path_factory.mktemp("main_ppo"))
+
+
+@pytest.fixture(scope="module")
+def native_keys_run(tiny_model, server, client, tmp_path_factory):
+    return grpo_run("main_ppo_native", tiny_model, server, client, tmp_path_factory.mktemp("main_ppo_native"))
+
+
+def test_main_ppo_grpo_steps_run_on_arctic_rl(adapter_config_run):
+    assert_trained_the_jobs_engine_from_its_sampler(adapter_config_run)
+
+
+def test_main_ppo_grpo_reports_the_loss_arctic_rl_trained_on(adapter_config_run):
+    assert_verls_loss_is_the_backends(adapter_config_run)
+
+
+def test_verls_own_config_with_the_native_keys_runs_grpo_steps_on_arctic_rl(native_keys_run):
+    assert_trained_the_jobs_engine_from_its_sampler(native_keys_run)
+
+
+def test_verls_own_config_with_the_native_keys_reports_the_loss_arctic_rl_trained_on(native_keys_run):
+    assert_verls_loss_is_the_backends(native_keys_run)
 
 
 def test_verls_colocated_async_trainer_trains_on_arctic_rl_off_policy(tiny_model, server, client, tmp_path):
@@ -120,15 +157,6 @@ def test_main_ppo_with_router_replay_r3_replays_every_sampled_sequence(moe_serve
 
 def run_python_module(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
-
-
-def test_verls_own_config_with_the_native_keys_runs_a_step_on_arctic_rl(tiny_model, server, client, tmp_path):
-    before = client.status()["backend"]
-    log = run_documented("main_ppo_native", tiny_model, server, tmp_path, 1)
-    after = client.status()["backend"]
-    assert after["optimizer_steps"] - before["optimizer_steps"] == 1
-    assert after["generated"]["completions"] - before["generated"]["completions"] >= 4 * 4
-    assert metric(log, "actor/arctic/loss") == pytest.approx(metric(log, "actor/pg_loss"), rel=1e-4, abs=1e-6)
 
 
 def test_unknown_settings_fail_at_start_up(tiny_model, tmp_path):
