@@ -57,11 +57,46 @@ class EngineConfig(_Config):
         return lora
 
 
+class NodeSelection(_Config):
+    """Which nodes of a Ray cluster may hold one role's actors (trainer ranks or sampler replicas), by Ray's own
+    means: each of the role's placement-group bundles asks for `resources` and carries `labels` as its label
+    selector. Nodes get both from `ray start --resources '{"trainer_node": 8}' --labels role=trainer` (or a
+    KubeRay group's `rayStartParams`)."""
+
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom resources each bundle asks for, beside its CPU and devices."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Node labels each bundle's node must carry, each with exactly this value."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"{name!r} is set by the job itself (one CPU and the role's devices per bundle)")
+            if amount <= 0:
+                raise ValueError(f"{name!r}: the amount must be positive, not {amount}")
+        return resources
+
+    @field_validator("labels")
+    @classmethod
+    def _exact_values(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key, value in labels.items():
+            if value.startswith("!") or value.startswith("in(") or not value:
+                raise ValueError(f"{key!r}: {value!r}: a label takes one exact value (no Ray selector operators)")
+        return labels
+
+
 class RaySettings(_Config):
     """Where the Ray actors of a distributed job run (used with engine.ranks > 1 or sampler.replicas > 1)."""
 
     address: str | None = None
     """An existing cluster to join (`ray://...`, `auto`, host:port); default: a local Ray started and stopped with the job."""
+    trainer_nodes: NodeSelection = Field(default_factory=NodeSelection)
+    """The nodes the trainer ranks may run on (default: any)."""
+    sampler_nodes: NodeSelection = Field(default_factory=NodeSelection)
+    """The nodes the sampler replicas may run on (default: any). With `placement: colocated` rank i and replica i
+    share a bundle, which then asks for both roles' resources and labels."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of a local Ray (default: this machine's cores)."""
     start_timeout_s: float = Field(120.0, gt=0)
@@ -284,6 +319,16 @@ class BackendConfig(_Config):
             raise ValueError("adapters: the transformers sampler merges an adapter into the weights for a call, "
                              f"exact in float32 only (its dtype is {dtype}); use vLLM's")
         return sampler
+
+    @field_validator("ray")
+    @classmethod
+    def _colocated_bundles_on_one_node(cls, ray: RaySettings, info: ValidationInfo):
+        if info.data.get("placement") == "colocated":
+            clash = sorted(k for k, v in ray.sampler_nodes.labels.items() if ray.trainer_nodes.labels.get(k, v) != v)
+            if clash:
+                raise ValueError(f"sampler_nodes.labels {clash} differ from trainer_nodes.labels: with placement: "
+                                 "colocated a rank and a replica share one bundle, on one node")
+        return ray
 
     @field_validator("critic")
     @classmethod

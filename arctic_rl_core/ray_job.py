@@ -16,7 +16,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from arctic_rl_core.config import BackendConfig, RaySettings
+from arctic_rl_core.config import BackendConfig, NodeSelection, RaySettings
 from arctic_rl_core.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,26 @@ class Layout:
     sampler: list[dict] = field(default_factory=list)
     where: dict[str, list[int]] = field(default_factory=dict)
     """Per role, the bundle index of each actor in its placement group (reported by status)."""
+
+
+def node_address() -> str:
+    """The address of the node this process runs on (a rendezvous address other nodes reach)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def this_node() -> dict[str, str]:
+    """Where this process runs, as status reports it: its node's address and Ray node id (nodes that share a host
+    share an address)."""
+    import ray
+
+    return {"node": node_address(), "node_id": ray.get_runtime_context().get_node_id()}
+
+
+def carries(node_labels: dict[str, str], labels: dict[str, str]) -> bool:
+    """Whether a node with `node_labels` carries every one of `labels` (exact values, as NodeSelection takes)."""
+    return all(node_labels.get(key) == value for key, value in labels.items())
 
 
 class RayJob:
@@ -54,7 +74,8 @@ class RayJob:
         self.started_ray = False
         if not ray.is_initialized():
             if settings.address is None:
-                ray.init(num_cpus=settings.num_cpus or os.cpu_count(), include_dashboard=False,
+                # "local": a Ray of the job's own, even where `ray start` left a cluster that ray.init() would join
+                ray.init(address="local", num_cpus=settings.num_cpus or os.cpu_count(), include_dashboard=False,
                          logging_level=logging.WARNING, log_to_driver=True)
             else:
                 ray.init(address=settings.address, logging_level=logging.WARNING)
@@ -81,8 +102,14 @@ class RayJob:
         accelerator = self.accelerator()
         layout = Layout(config.placement)
 
-        def bundle(n_devices: int) -> dict[str, float]:
-            return {"CPU": 1.0, **({accelerator: float(n_devices)} if accelerator else {})}
+        trainer_nodes, sampler_nodes = self.settings.trainer_nodes, self.settings.sampler_nodes
+
+        def bundle(n_devices: int, *roles: NodeSelection) -> dict[str, float]:
+            resources = {"CPU": 1.0, **({accelerator: float(n_devices)} if accelerator else {})}
+            for role in roles:
+                for name, amount in role.resources.items():
+                    resources[name] = resources.get(name, 0.0) + amount
+            return resources
 
         def options(group, index: int, share: float, n_devices: int) -> dict:
             return {"num_cpus": share, "num_gpus": share * n_devices if accelerator else 0,
@@ -93,23 +120,32 @@ class RayJob:
                 raise InvalidRequest("placement", "colocated sampler replicas share one device with a trainer "
                                                   "rank: tensor_parallel_size > 1 needs placement: disaggregated")
             count = max(ranks, replicas)
-            group = self.placement_group([bundle(1)] * count, "engine.ranks" if ranks >= replicas else "sampler.replicas")
+            field = "engine.ranks" if ranks >= replicas else "sampler.replicas"
+            group = self.placement_group([bundle(1, trainer_nodes, sampler_nodes)] * count, field,
+                                         {**trainer_nodes.labels, **sampler_nodes.labels},
+                                         "ray.trainer_nodes" if trainer_nodes.labels or trainer_nodes.resources
+                                         else "ray.sampler_nodes")
             layout.trainer = [options(group, i, 0.5, 1) for i in range(ranks)]
             layout.sampler = [options(group, i, 0.5, 1) for i in range(replicas)]
-            layout.where = {"trainer": list(range(ranks)), "sampler": list(range(replicas))}
         else:
             if ranks:
-                group = self.placement_group([bundle(1)] * ranks, "engine.ranks")
+                group = self.placement_group([bundle(1, trainer_nodes)] * ranks, "engine.ranks",
+                                             trainer_nodes.labels, "ray.trainer_nodes")
                 layout.trainer = [options(group, i, 1.0, 1) for i in range(ranks)]
             if replicas:
-                group = self.placement_group([bundle(devices)] * replicas, "sampler.replicas")
+                group = self.placement_group([bundle(devices, sampler_nodes)] * replicas, "sampler.replicas",
+                                             sampler_nodes.labels, "ray.sampler_nodes")
                 layout.sampler = [options(group, i, 1.0, devices) for i in range(replicas)]
-            layout.where = {"trainer": list(range(ranks)), "sampler": list(range(replicas))}
+        layout.where = {"trainer": list(range(ranks)), "sampler": list(range(replicas))}
         self._layout = layout
         return layout
 
-    def placement_group(self, bundles: list[dict[str, float]], field: str, strategy: str = "PACK"):
-        """A placement group of `bundles`, ready; a request the cluster cannot satisfy names `field`."""
+    def placement_group(self, bundles: list[dict[str, float]], field: str, labels: dict[str, str] | None = None,
+                        nodes_field: str = ""):
+        """A placement group of `bundles`, ready, each on a node carrying `labels`. A request the cluster cannot
+        satisfy is refused naming the setting at fault: `nodes_field` (the role's ray.*_nodes) for its labels or
+        custom resources, else `field` (the count of actors); at once where the cluster's nodes cannot hold it,
+        else after ray.start_timeout_s."""
         import ray
         from ray.util.placement_group import placement_group
 
@@ -118,16 +154,34 @@ class RayJob:
             for resource, amount in bundle.items():
                 total[resource] = total.get(resource, 0) + amount
         have, free = ray.cluster_resources(), ray.available_resources()
+        where = "the cluster"
+        if labels:
+            nodes = [n for n in ray.nodes() if n["Alive"] and carries(n.get("Labels", {}), labels)]
+            if not nodes:
+                seen = sorted({f"{k}={v}" for n in ray.nodes() if n["Alive"] for k, v in n.get("Labels", {}).items()
+                               if not k.startswith("ray.io/")})
+                raise InvalidRequest(f"{nodes_field}.labels", f"no live node of the cluster carries {labels} "
+                                                   f"(its nodes' labels: {', '.join(seen) or 'none'})")
+            have = {}
+            for node in nodes:
+                for resource, amount in node["Resources"].items():
+                    have[resource] = have.get(resource, 0) + amount
+            free = {r: min(amount, free.get(r, 0)) for r, amount in have.items()}
+            where = f"the {len(nodes)} node(s) carrying {labels}"
         short = {r: amount for r, amount in total.items() if free.get(r, 0) < amount}
         if short:
-            detail = ", ".join(f"{amount:g} {r} needed, the cluster has {have.get(r, 0):g} ({free.get(r, 0):g} free)"
-                               for r, amount in short.items())
-            raise InvalidRequest(field, f"{len(bundles)} bundles of {bundles[0]} cannot be placed: {detail}")
-        group = placement_group(bundles, strategy=strategy)
+            detail = ", ".join(f"{amount:g} {r} needed, {where} ha{'s' if where == 'the cluster' else 've'} "
+                               f"{have.get(r, 0):g} ({free.get(r, 0):g} free)" for r, amount in short.items())
+            custom = any(r not in ("CPU", "GPU") for r in short)
+            raise InvalidRequest(f"{nodes_field}.resources" if custom else field,
+                                 f"{len(bundles)} bundles of {bundles[0]} cannot be placed: {detail}")
+        group = placement_group(bundles, strategy="PACK",
+                                bundle_label_selector=[dict(labels)] * len(bundles) if labels else None)
         self.placement_groups.append(group)
         ready, _ = ray.wait([group.ready()], timeout=self.settings.start_timeout_s)
         if not ready:
-            raise InvalidRequest(field, f"{len(bundles)} bundles of {bundles[0]} were not placed within "
+            raise InvalidRequest(field, f"{len(bundles)} bundles of {bundles[0]}"
+                                        f"{f' on nodes carrying {labels}' if labels else ''} were not placed within "
                                         f"ray.start_timeout_s={self.settings.start_timeout_s:g} s (resources in use?)")
         return group
 

@@ -16,6 +16,15 @@ from arctic_rl_core.errors import InvalidRequest
      "config.sampler", "float32 only"),
     ({"engine": {"lora": {"r": 4}}, "sampler": {"adapters": 2}, "zorro": {"inference": True}}, "config.zorro",
      "sampler.adapters"),
+    ({"engine": {"ranks": 2}, "ray": {"trainer_nodes": {"resources": {"CPU": 2}}}},
+     "config.ray.trainer_nodes.resources", "'CPU' is set by the job itself"),
+    ({"engine": {"ranks": 2}, "ray": {"sampler_nodes": {"resources": {"slot": 0}}}},
+     "config.ray.sampler_nodes.resources", "'slot': the amount must be positive"),
+    ({"engine": {"ranks": 2}, "ray": {"trainer_nodes": {"labels": {"zone": "!b"}}}},
+     "config.ray.trainer_nodes.labels", "one exact value"),
+    ({"engine": {"ranks": 2}, "sampler": {"replicas": 2}, "ray": {"trainer_nodes": {"labels": {"pool": "a"}},
+                                                                  "sampler_nodes": {"labels": {"pool": "b"}}}},
+     "config.ray", "sampler_nodes.labels ['pool'] differ from trainer_nodes.labels"),
 ])
 def test_refused_before_any_actor_or_ray_starts(tiny_model, change, field, words):
     import ray

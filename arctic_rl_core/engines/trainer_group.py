@@ -28,6 +28,7 @@ from arctic_rl_core.engines.distributed import free_port
 from arctic_rl_core.engines.rank_plan import RankPlan, plan_ranks
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
+from arctic_rl_core.ray_job import RayJob, node_address, this_node
 
 
 class TrainerRankFailed(ArcticRLError):
@@ -42,14 +43,8 @@ class TrainerRank:
         self.engine = None
         self._weights: Iterator | None = None
 
-    @staticmethod
-    def _node() -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
     def rendezvous_address(self) -> tuple[str, int]:
-        return self._node(), free_port()
+        return node_address(), free_port()
 
     def start(self, master_addr: str, master_port: int) -> dict:
         # Ray gives each actor its own devices (CUDA_VISIBLE_DEVICES), so the local rank is 0.
@@ -60,7 +55,7 @@ class TrainerRank:
         self.engine = DeepSpeedEngine(BackendConfig.model_validate(self.config))
         e = self.engine
         return {"max_context": e.max_context, "vocab_size": e.vocab_size, "pad_token_id": e.pad_token_id,
-                "zorro_loaded": e.zorro_loaded, "replay_shape": e.replay_shape, "node": self._node(), "pid": os.getpid()}
+                "zorro_loaded": e.zorro_loaded, "replay_shape": e.replay_shape, **this_node(), "pid": os.getpid()}
 
     def forward_backward(self, micro_batches, scales, loss, loss_config, post, keep_outputs, with_entropy):
         return self.engine.forward_backward(micro_batches, loss, loss_config, post, scales=scales,
@@ -184,7 +179,6 @@ class TrainerGroup(TrainingEngine):
         import ray
 
         from arctic_rl_core.engines.deepspeed_engine import refuse_unsupported
-        from arctic_rl_core.ray_job import RayJob
 
         refuse_unsupported(config)
         self.ranks = config.engine.ranks
@@ -207,7 +201,7 @@ class TrainerGroup(TrainingEngine):
         self.max_context, self.vocab_size = first["max_context"], first["vocab_size"]
         self.pad_token_id, self.zorro_loaded = first["pad_token_id"], first["zorro_loaded"]
         self.replay_shape = first["replay_shape"]
-        self._where = [{"rank": r, "node": f["node"], "pid": f["pid"], "bundle": b}
+        self._where = [{"rank": r, "node": f["node"], "node_id": f["node_id"], "pid": f["pid"], "bundle": b}
                        for (r, f), b in zip(enumerate(facts), layout.where["trainer"])]
         self.last_plan: RankPlan | None = None
         """The plan of the last fwd_bwd or log_probs: which micro-batches each rank ran."""

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import torch
 
 from arctic_rl_core.cancellation import Cancellation
+from arctic_rl_core.ray_job import this_node
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.samplers.vllm_worker import join_group, receive_buckets
@@ -25,12 +26,6 @@ from arctic_rl_core.types import Completion, SamplingParams
 
 
 _KEPT_CANCELLATIONS = 512
-
-
-def node_address() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address()
 
 
 class SamplerReplica:
@@ -57,7 +52,7 @@ class SamplerReplica:
         self._cancellations_lock = threading.Lock()
 
     def facts(self) -> dict:
-        return {"node": node_address(), "pid": os.getpid(), "max_context": self.sampler.max_context,
+        return {**this_node(), "pid": os.getpid(), "max_context": self.sampler.max_context,
                 "sync_route": self.sampler.sync_route, "exact_reshaped_logprobs": self.sampler.exact_reshaped_logprobs,
                 "continuous_batching": self.sampler.continuous_batching, "crosses_syncs": self.sampler.crosses_syncs,
                 "streams_tokens": self.sampler.streams_tokens, "cancels_calls": self.sampler.cancels_calls,

@@ -39,7 +39,8 @@ from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.samplers.engine_metrics import relabelled
 from arctic_rl_core.samplers.prefix_affinity import PrefixIndex, block_hashes
-from arctic_rl_core.samplers.replica import SamplerReplica, node_address
+from arctic_rl_core.ray_job import node_address
+from arctic_rl_core.samplers.replica import SamplerReplica
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
 from arctic_rl_core.types import Completion, SamplingParams
 
@@ -542,7 +543,8 @@ class SamplerPool(Sampler):
                     healthy = False
                 except GetTimeoutError:
                     healthy = False
-            rows.append({"replica": slot.index, "node": slot.facts.get("node"), "pid": slot.facts.get("pid"),
+            rows.append({"replica": slot.index, "node": slot.facts.get("node"), "node_id": slot.facts.get("node_id"),
+                         "pid": slot.facts.get("pid"),
                          "bundle": self._layout.where["sampler"][slot.index], "state": slot.state,
                          "healthy": healthy, "weight_version": slot.weight_version,
                          "queued_tokens": slot.queued_tokens, "replacements": slot.replacements,

@@ -190,6 +190,9 @@ class RecipeRun:
             self.api = client
         described = self.api.describe() if b.url is None else self.api.status()["backend"]
         self.syncs_cross_rollouts = described["crosses_syncs"]
+        self.placement = {role: [{k: row.get(k) for k in ("rank", "replica", "node", "node_id", "pid") if k in row}
+                                 for row in described[role]] for role in ("trainer", "sampler")}
+        """Where each trainer rank and sampler replica ran (a Ray job's nodes), for the summary."""
         """The sampler takes new weights while a rollout is in flight (its tokens then carry two versions)."""
         self.rewards = RewardPool(self.task.reward_fn, workers=self.config.reward.workers,
                                   timeout_s=self.config.reward.timeout_s)
@@ -416,4 +419,5 @@ class RecipeRun:
             "metrics": metrics.path,
             "tensorboard": metrics.tensorboard_dir,
             "plot": plot,
+            "placement": self.placement,
         }
