@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from arctic_rl_core.errors import InvalidRequest, NotFound
+from arctic_rl_core.errors import NotFound
 from arctic_rl_core.types import Completion, Episode, Turn, token_list
 
 

@@ -245,7 +245,7 @@ def test_a_replica_that_dies_after_streaming_tokens_fails_the_call_and_the_other
                 time.sleep(0.3)
             os._exit(1)
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         for dies_after_tokens in (True, False):
             pool = SamplerPool.__new__(SamplerPool)  # its dealing alone, on stand-in replicas

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from typing import Callable, Iterable
 
@@ -38,8 +39,8 @@ from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.samplers.engine_metrics import relabelled
-from arctic_rl_core.samplers.prefix_affinity import PrefixIndex, block_hashes
 from arctic_rl_core.ray_job import node_address
+from arctic_rl_core.samplers.prefix_affinity import PrefixIndex, block_hashes
 from arctic_rl_core.samplers.replica import SamplerReplica
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
 from arctic_rl_core.types import Completion, SamplingParams
@@ -59,6 +60,10 @@ _CALLS_PER_REPLICA = 64
 
 class SamplerReplicaFailed(ArcticRLError):
     """Sampler replicas died or failed; the call (or sync) was not completed."""
+
+
+class _ReplacementDied(Exception):
+    """A replacement replica died while it loaded the pool's weights (tried again, as one that died starting)."""
 
 
 class _Slot:
@@ -164,19 +169,35 @@ class SamplerPool(Sampler):
                          daemon=True).start()
 
     def _replace(self, slot: _Slot, dead) -> None:
+        """A new replica in the dead one's bundle, at the pool's version. A replacement that dies starting is
+        tried again until ray.start_timeout_s: one placed on a node that died before Ray declared it dead (its
+        health checks take a while), whose bundle Ray then moves to a live node."""
         import ray
+        from ray.exceptions import RayActorError
 
         self.job.forget(dead)
-        try:
-            self._start(slot)
-            slot.facts = ray.get(slot.actor.facts.remote(), timeout=self.config.ray.start_timeout_s)
-            with self._sync_lock:
-                state, error = self._catch_up(slot)
-            with self._adapters_lock:  # the adapters the pool serves, on the replacement too
-                ray.get([slot.actor.add_adapter.remote(name, path) for name, path in self._adapters.items()])
-        except Exception as err:
-            log.error("sampler replica %d could not be replaced: %s", slot.index, err)
-            self._set(slot, "failed", f"replacement failed: {err}")
+        deadline = time.monotonic() + self.config.ray.start_timeout_s
+        while True:
+            try:
+                self._start(slot)
+                slot.facts = ray.get(slot.actor.facts.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                with self._sync_lock:
+                    state, error = self._catch_up(slot)
+                with self._adapters_lock:  # the adapters the pool serves, on the replacement too
+                    ray.get([slot.actor.add_adapter.remote(name, path) for name, path in self._adapters.items()])
+                break
+            except (RayActorError, _ReplacementDied) as err:
+                self.job.forget(slot.actor)
+                if time.monotonic() < deadline:
+                    log.warning("sampler replica %d's replacement died starting (%s): trying again", slot.index,
+                                type(err).__name__)
+                    time.sleep(1.0)
+                    continue
+                failure = err
+            except Exception as err:
+                failure = err
+            log.error("sampler replica %d could not be replaced: %s", slot.index, failure)
+            self._set(slot, "failed", f"replacement failed: {failure}")
             return
         slot.replacements += 1
         self._set(slot, state, error)
@@ -196,7 +217,8 @@ class SamplerPool(Sampler):
             refs = [ray.put(held)] if held is not None else []
         if not refs:
             return "stale", "waits for the next sync_weights (no peer could give the current weights)"
-        self._send_object_store([slot], refs, self._version)
+        if not self._send_object_store([slot], refs, self._version):
+            raise _ReplacementDied("the replacement died while it loaded the current weights")
         slot.weight_version = self._version
         return "ready", None
 
@@ -332,7 +354,9 @@ class SamplerPool(Sampler):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         """Every live replica (ready or stale) loads the new weights. A sync that fails part-way leaves the
-        replicas it reached stale and raises; one that completes makes them ready at `version`."""
+        replicas it reached stale and raises; one that completes makes them ready at `version`. A replica that
+        dies during it is replaced and loads `version`: on the object-store route even when every replica died
+        (a sampler node lost), since the buckets stay in the object store; the tensors loaded are then 0."""
         with self._sync_lock:
             slots = self._live()
             if not slots:
@@ -351,13 +375,16 @@ class SamplerPool(Sampler):
                     self._set(slot, "stale", f"a sync_weights failed part-way: {err}")
                 raise SamplerReplicaFailed(f"sync_weights did not reach every replica ({err}); the replicas it "
                                            "reached wait for the next sync_weights") from err
+            if not loaded:
+                log.warning("every sampler replica died during sync_weights: their replacements load version %d",
+                            version)
             self._version = version
             for slot in self._slots:  # every reached replica emptied its prefix cache; the others were replaced
                 slot.prefixes.clear()
             for slot, _ in loaded:
                 slot.weight_version = version
                 self._set(slot, "ready")
-            return loaded[0][1]
+            return loaded[0][1] if loaded else 0
 
     # -- the object-store route ------------------------------------------------------------------
 
@@ -385,10 +412,7 @@ class SamplerPool(Sampler):
         slots = self._each(slots, "begin_load", version)
         for ref in refs:  # bucket by bucket: each replica holds at most two at a time
             slots = self._each(slots, "put_bucket", ref)
-        loaded = self._each_result(slots, "end_load")
-        if not loaded:
-            raise SamplerReplicaFailed("every sampler replica died during sync_weights")
-        return loaded
+        return self._each_result(slots, "end_load")
 
     def _each_result(self, slots: list[_Slot], method: str, *args) -> list[tuple[_Slot, object]]:
         """`method` on every slot's replica; a replica that died is replaced and left out."""

@@ -188,11 +188,7 @@ class RecipeRun:
             client = ArcticRLClient(b.url, token=b.token or os.environ.get("ARCTIC_RL_TOKEN"))
             client.initialize(self.backend_config())  # refuses if the server runs a different job
             self.api = client
-        described = self.api.describe() if b.url is None else self.api.status()["backend"]
-        self.syncs_cross_rollouts = described["crosses_syncs"]
-        self.placement = {role: [{k: row.get(k) for k in ("rank", "replica", "node", "node_id", "pid") if k in row}
-                                 for row in described[role]] for role in ("trainer", "sampler")}
-        """Where each trainer rank and sampler replica ran (a Ray job's nodes), for the summary."""
+        self.syncs_cross_rollouts = self._backend_status()["crosses_syncs"]
         """The sampler takes new weights while a rollout is in flight (its tokens then carry two versions)."""
         self.rewards = RewardPool(self.task.reward_fn, workers=self.config.reward.workers,
                                   timeout_s=self.config.reward.timeout_s)
@@ -300,7 +296,7 @@ class RecipeRun:
             # Mean negative log-prob of the sampled tokens: a Monte-Carlo estimate of the policy's entropy.
             "entropy": -statistics.fmean(sampled_logprobs) if sampled_logprobs else 0.0,
             **metrics,
-            "groups_trained": len(by_prompt) - uniform, "groups_uniform": uniform,
+            "samples": len(completions), "groups_trained": len(by_prompt) - uniform, "groups_uniform": uniform,
             "staleness": batch.staleness, "dropped": batch.dropped,
             "reward_timeouts": scored.timeouts, "reward_errors": scored.errors,
             "tokens": sum(response_tokens) + sum(len(batch.prompts[c.prompt_index]) for c in completions),
@@ -419,5 +415,16 @@ class RecipeRun:
             "metrics": metrics.path,
             "tensorboard": metrics.tensorboard_dir,
             "plot": plot,
-            "placement": self.placement,
+            "placement": self._placement(),
         }
+
+    def _backend_status(self) -> dict:
+        return self.api.describe() if self.config.backend.url is None else self.api.status()["backend"]
+
+    def _placement(self) -> dict:
+        """Where each trainer rank and sampler replica runs at the end (a Ray job's nodes), and how many times
+        each replica was replaced."""
+        described = self._backend_status()
+        keep = ("rank", "replica", "node", "node_id", "pid", "replacements")
+        return {role: [{k: row[k] for k in keep if k in row} for row in described[role]]
+                for role in ("trainer", "sampler")}
