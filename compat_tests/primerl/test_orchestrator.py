@@ -100,7 +100,9 @@ def test_prime_rls_orchestrator_trains_through_arctic_rl(transport, sampler, tin
     with serving(job, tmp_path / "server") as url:
         codes = _run(tmp_path, tiny_model, url, transport, LEARNING_STEPS)
     logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}
-    assert codes == {"orchestrator": 0, "trainer": 0}, (codes, logs["orchestrator"][-3000:], logs["trainer"][-3000:])
+    # The logs' tails as text (a tuple's repr would cut them short): a failed run shows its traceback whole.
+    assert codes == {"orchestrator": 0, "trainer": 0}, \
+        f"{codes}\n--- orchestrator\n{logs['orchestrator'][-8000:]}\n--- trainer\n{logs['trainer'][-3000:]}"
 
     run = tmp_path / "run"
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -146,7 +148,9 @@ def test_prime_rls_orchestrator_and_trainer_with_router_replay_on_a_tiny_moe(tmp
     with serving(job, tmp_path / "server") as url:
         codes = _run(tmp_path, model, url, "filesystem", STEPS, replay=True)
     logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in ("orchestrator", "trainer")}
-    assert codes == {"orchestrator": 0, "trainer": 0}, (codes, logs["orchestrator"][-3000:], logs["trainer"][-3000:])
+    # The logs' tails as text (a tuple's repr would cut them short): a failed run shows its traceback whole.
+    assert codes == {"orchestrator": 0, "trainer": 0}, \
+        f"{codes}\n--- orchestrator\n{logs['orchestrator'][-8000:]}\n--- trainer\n{logs['trainer'][-3000:]}"
     records = [json.loads(line) for line in (tmp_path / "run" / "arctic_rl_trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(r["replayed_samples"] == r["samples"] == 32 for r in records), records
