@@ -154,7 +154,7 @@ class RayJob:
             for resource, amount in bundle.items():
                 total[resource] = total.get(resource, 0) + amount
         have, free = ray.cluster_resources(), ray.available_resources()
-        where = "the cluster"
+        holder = "the cluster has"
         if labels:
             nodes = [n for n in ray.nodes() if n["Alive"] and carries(n.get("Labels", {}), labels)]
             if not nodes:
@@ -167,11 +167,11 @@ class RayJob:
                 for resource, amount in node["Resources"].items():
                     have[resource] = have.get(resource, 0) + amount
             free = {r: min(amount, free.get(r, 0)) for r, amount in have.items()}
-            where = f"the {len(nodes)} node(s) carrying {labels}"
+            holder = f"the {len(nodes)} node(s) carrying {labels} have"
         short = {r: amount for r, amount in total.items() if free.get(r, 0) < amount}
         if short:
-            detail = ", ".join(f"{amount:g} {r} needed, {where} ha{'s' if where == 'the cluster' else 've'} "
-                               f"{have.get(r, 0):g} ({free.get(r, 0):g} free)" for r, amount in short.items())
+            detail = ", ".join(f"{amount:g} {r} needed, {holder} {have.get(r, 0):g} ({free.get(r, 0):g} free)"
+                               for r, amount in short.items())
             custom = any(r not in ("CPU", "GPU") for r in short)
             raise InvalidRequest(f"{nodes_field}.resources" if custom else field,
                                  f"{len(bundles)} bundles of {bundles[0]} cannot be placed: {detail}")
