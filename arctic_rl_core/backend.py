@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from safetensors.torch import load_file, save_file
 
 from arctic_rl_core.api import TrainingAPI
 from arctic_rl_core.batching import build_micro_batches, refuse_unread, require_fields, validate_sequences
@@ -55,6 +56,8 @@ from arctic_rl_core.trajectories import TrajectoryStore
 
 CRITIC_DIR = "critic"
 """Where a checkpoint of a job with a critic holds the critic's state."""
+SAMPLER_RANDOM_STATE = "sampler_random_state.safetensors"
+"""Where a checkpoint holds the sampler's generators (`Sampler.random_state`)."""
 
 
 def _split(count: int, micro_batches, outputs, key: str) -> list[list[float]]:
@@ -574,6 +577,7 @@ class InProcessBackend(TrainingAPI):
             self.engine.save(path, {"weight_version": self._weight_version, "synced_step": self._synced_step})
             if self.critic is not None:
                 self.critic.save(os.path.join(path, CRITIC_DIR), {})
+            save_file(self.sampler.random_state(), os.path.join(path, SAMPLER_RANDOM_STATE))
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
     def load_checkpoint(self, path: str, optimizer: bool = True, publish: bool = True) -> CheckpointInfo:
@@ -597,7 +601,20 @@ class InProcessBackend(TrainingAPI):
             self.sampler.load_weights(self.engine.named_full_weights(), version)
             self._weight_version = version
             self._synced_step = self.engine.steps
+            self._restore_sampling_generators(path)
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
+
+    def _restore_sampling_generators(self, path: str) -> None:
+        """The sampler's generators as they were at the save, so that unseeded sampling draws what the saved job
+        would have drawn next (a synchronous job resumed samples its next step's batch again). Only into the same
+        layout (one sampler, or as many replicas); a checkpoint from before this was kept, or from another layout,
+        leaves them as they are: it changes which samples are drawn, never how."""
+        file = os.path.join(path, SAMPLER_RANDOM_STATE)
+        if not os.path.isfile(file):
+            return
+        saved = load_file(file)
+        if saved.keys() == self.sampler.random_state().keys():
+            self.sampler.set_random_state(saved)
 
     def close(self) -> None:
         """Stop what this job started outside its process (a trainer group's and a sampler pool's Ray actors)."""

@@ -273,6 +273,26 @@ def test_ignore_eos_samples_on_past_the_end_of_sequence_token(make_backend):
     assert max(abs(a - b) for c, lp in zip(went_on, scored) for a, b in zip(c.logprobs, lp)) < 1e-4
 
 
+def test_a_job_resumed_from_its_checkpoint_samples_the_batch_the_saved_job_sampled_next(make_backend, tmp_path):
+    """A checkpoint keeps the sampler's generators: a new job that loads it draws, unseeded, the completions the
+    saved job drew next, so a synchronous RL run resumed samples its next step's batch again. (Both jobs share
+    this process's generator, which the new job's start and the saved job's later draws moved on.)"""
+    def draw(job) -> list[list[int]]:
+        return [c.token_ids for c in job.generate([[5, 6, 7], [11, 12, 13, 14]], {"n": 4, "max_tokens": 8})]
+
+    job = make_backend()
+    job.fwd_bwd(grpo_batch(), "grpo")
+    job.step()
+    job.sync_weights()
+    draw(job)
+    job.save_checkpoint(str(tmp_path / "checkpoint"))
+    next_batch, the_one_after = draw(job), draw(job)
+    assert next_batch != the_one_after
+    resumed = make_backend()
+    resumed.load_checkpoint(str(tmp_path / "checkpoint"))
+    assert draw(resumed) == next_batch
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_weights_only_restore_trains_on_as_a_new_job_from_those_weights(make_backend, tiny_model, tmp_path, stage):
     """`load_checkpoint(optimizer=False)` (Tinker's load_state; RL from an SFT checkpoint): the checkpoint's weights

@@ -93,6 +93,15 @@ def sync(model_dir, sync_path, placement, layout):
     ).logprobs
     result["behaviour_err"] = max_err([c.logprobs for c in completions], scored)
     result["completion_versions"] = sorted({c.weight_version for c in completions})
+    # vLLM's unseeded draws come from its worker's generators, which a checkpoint keeps and puts back.
+    def draw() -> list[list[int]]:
+        return [c.token_ids for c in api.generate([batch[0].prompt_ids], {"n": 4, "max_tokens": 6})]
+
+    state = api.sampler.random_state()
+    drawn, drawn_next = draw(), draw()
+    api.sampler.set_random_state(state)
+    result["draws_move_on"] = drawn != drawn_next
+    result["drawn_again"] = draw() == drawn
     from arctic_rl_core.patches import applied
 
     result["patches"] = {row["patch"].split(": ")[-1]: row["active"] for row in applied()}

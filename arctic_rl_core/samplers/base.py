@@ -10,6 +10,29 @@ import torch
 from arctic_rl_core.types import Completion, SamplingParams
 
 
+def process_random_state() -> dict[str, torch.Tensor]:
+    """This process's torch generators: the CPU's, and each GPU's where CUDA is up."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        state.update({f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return state
+
+
+def set_process_random_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_initialized():
+        torch.cuda.set_rng_state_all([state[f"cuda.{i}"] for i in range(torch.cuda.device_count())])
+
+
+def random_state_bytes(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    """Generator states as bytes, to cross vLLM's RPC (whose encoding does not return tensors as tensors)."""
+    return {name: tensor.numpy().tobytes() for name, tensor in state.items()}
+
+
+def random_state_tensors(state: dict[str, bytes]) -> dict[str, torch.Tensor]:
+    return {name: torch.frombuffer(bytearray(data), dtype=torch.uint8) for name, data in state.items()}
+
+
 class Sampler(ABC):
     max_context: int
     sync_route: str
@@ -87,6 +110,16 @@ class Sampler(ABC):
         """Its engine's Prometheus metrics in the text format, named as vLLM names them
         (`arctic_rl_core.samplers.engine_metrics`); empty where it has none."""
         return ""
+
+    def random_state(self) -> dict[str, torch.Tensor]:
+        """The state of the generators its unseeded sampling draws from, which a checkpoint keeps so that a resumed
+        job samples what the job would have sampled next. Here: this process's (`process_random_state`), where a
+        sampler that samples in this process draws."""
+        return process_random_state()
+
+    def set_random_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back what `random_state` returned."""
+        set_process_random_state(state)
 
     def sleep(self) -> None:
         """Release what generation holds (KV cache) while training runs; a sampler may have nothing to release."""

@@ -136,6 +136,12 @@ class SamplerReplica:
     def engine_metrics(self) -> str:
         return self.sampler.engine_metrics()  # not under _busy: a scrape never waits for a call
 
+    def random_state(self) -> dict[str, torch.Tensor]:
+        return self.sampler.random_state()  # not under _busy: a checkpoint does not wait for the calls in flight
+
+    def set_random_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.sampler.set_random_state(state)
+
     def score(self, sequences):
         with self._call():
             return self.sampler.score(sequences)

@@ -548,6 +548,21 @@ class SamplerPool(Sampler):
         """Every live replica's engine metrics, its samples labelled `engine` with the replica's index."""
         return relabelled({str(slot.index): text for slot, text in self._each_result(self._live(), "engine_metrics")})
 
+    def random_state(self) -> dict[str, torch.Tensor]:
+        """Each live replica's generators, under its index (`0.cpu`, ...)."""
+        return {f"{slot.index}.{name}": tensor for slot, state in self._each_result(self._live(), "random_state")
+                for name, tensor in state.items()}
+
+    def set_random_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Each live replica takes back its index's generators."""
+        by_replica: dict[int, dict[str, torch.Tensor]] = {}
+        for key, tensor in state.items():
+            index, name = key.split(".", 1)
+            by_replica.setdefault(int(index), {})[name] = tensor
+        for slot in self._live():
+            if slot.index in by_replica:
+                self._each([slot], "set_random_state", by_replica[slot.index])
+
     # -- status ----------------------------------------------------------------------------------
 
     def describe(self) -> list[dict]:

@@ -32,7 +32,7 @@ from arctic_rl_core.models.lora_files import lora_deltas
 from arctic_rl_core.models.router_replay import moe_shape
 from arctic_rl_core.models.rope_scaling import config_overrides, context_window
 from arctic_rl_core.samplers import vllm_forest_cascade as forest_cascade
-from arctic_rl_core.samplers.base import Sampler
+from arctic_rl_core.samplers.base import Sampler, random_state_bytes, random_state_tensors
 from arctic_rl_core.samplers.engine_metrics import vllm_exposition
 from arctic_rl_core.samplers.vllm_engine_loop import EngineLoop
 from arctic_rl_core.patches import environment
@@ -465,6 +465,13 @@ class VLLMSampler(Sampler):
         else:
             count = self._sync_file(weights)
         return count
+
+    def random_state(self) -> dict[str, torch.Tensor]:
+        # Between two engine steps. Tensor-parallel workers are seeded alike and draw alike: the first's is theirs.
+        return random_state_tensors(self.rpc("arctic_random_state")[0])
+
+    def set_random_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.rpc("arctic_set_random_state", args=(random_state_bytes(state),))
 
     def rpc(self, method, **kwargs) -> list:
         """vLLM's `collective_rpc` to its workers (a method name of the worker extension, or a function of the

@@ -28,6 +28,8 @@ import torch
 
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.patches import InstancePatch
+from arctic_rl_core.samplers.base import (process_random_state, random_state_bytes, random_state_tensors,
+                                          set_process_random_state)
 from arctic_rl_core.samplers.vllm_plain_weights import MARKER as PLAIN_WEIGHTS
 from arctic_rl_core.samplers.vllm_plain_weights import repack
 from arctic_rl_core.samplers.vllm_routed_experts import RoutedExpertsExtension
@@ -355,5 +357,16 @@ class WeightSyncExtension:
         return count
 
 
-class WorkerExtension(WeightSyncExtension, RoutedExpertsExtension):
-    """What vLLM's Worker gets from Arctic RL (`worker_extension_cls`): the weight sync's methods, and R3's record."""
+class RandomStateExtension:
+    """The worker's generators, which vLLM's unseeded sampling draws from, for a checkpoint to keep."""
+
+    def arctic_random_state(self) -> dict[str, bytes]:
+        return random_state_bytes(process_random_state())
+
+    def arctic_set_random_state(self, state: dict[str, bytes]) -> None:
+        set_process_random_state(random_state_tensors(state))
+
+
+class WorkerExtension(WeightSyncExtension, RoutedExpertsExtension, RandomStateExtension):
+    """What vLLM's Worker gets from Arctic RL (`worker_extension_cls`): the weight sync's methods, R3's record, and
+    the sampling generators' state."""
