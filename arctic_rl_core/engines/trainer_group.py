@@ -224,6 +224,7 @@ class TrainerGroup(TrainingEngine):
         pending = list(refs)
         seconds, setting = limit or (self.call_timeout_s, "ray.call_timeout_s")
         deadline = time.monotonic() + seconds
+        rank = None
         try:
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
@@ -233,6 +234,7 @@ class TrainerGroup(TrainingEngine):
                                    "was not applied and the group cannot continue: start a new job and "
                                    "load_checkpoint to resume from the last checkpoint")
                     raise TrainerRankFailed(self.failed)
+                rank = refs.index(ready[0])
                 ray.get(ready)
             return ray.get(refs)
         except RayTaskError as err:
@@ -241,8 +243,13 @@ class TrainerGroup(TrainingEngine):
                 raise cause from None
             self.failed = f"a trainer rank failed: {err}"
         except RayActorError as err:
-            self.failed = (f"a trainer rank died ({type(err).__name__}); the call was not applied and the group "
-                           "cannot continue: start a new job and load_checkpoint to resume from the last checkpoint")
+            where = getattr(self, "_where", None)
+            who = "a trainer rank" if rank is None else f"trainer rank {rank}"
+            if where and rank is not None:
+                who += f" on node {where[rank]['node']} ({where[rank]['node_id']})"
+            why = "its node died" if "node has died" in str(err) else type(err).__name__
+            self.failed = (f"{who} died ({why}); the call was not applied and the group cannot continue: start a "
+                           "new job and load_checkpoint to resume from the last checkpoint")
         except RayError as err:
             self.failed = f"a trainer rank failed: {err}"
         raise TrainerRankFailed(self.failed)
