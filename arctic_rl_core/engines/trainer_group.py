@@ -217,7 +217,7 @@ class TrainerGroup(TrainingEngine):
         """The ranks' results in order. The first failure is raised at once: a rank that died leaves the others
         blocked in a collective, so the group is marked failed and refuses every later call."""
         import ray
-        from ray.exceptions import RayActorError, RayError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, RayActorError, RayError, RayTaskError
 
         if self.failed:
             raise TrainerRankFailed(self.failed)
@@ -247,9 +247,12 @@ class TrainerGroup(TrainingEngine):
             who = "a trainer rank" if rank is None else f"trainer rank {rank}"
             if where and rank is not None:
                 who += f" on node {where[rank]['node']} ({where[rank]['node_id']})"
-            why = "its node died" if "node has died" in str(err) else type(err).__name__
-            self.failed = (f"{who} died ({why}); the call was not applied and the group cannot continue: start a "
-                           "new job and load_checkpoint to resume from the last checkpoint")
+            if isinstance(err, ActorUnavailableError):  # seen before Ray declares the process or node dead
+                what = "is unreachable (its process or node is gone, or the network to it)"
+            else:
+                what = f"died ({'its node died' if 'node has died' in str(err) else type(err).__name__})"
+            self.failed = (f"{who} {what}; the call was not applied and the group cannot continue: start a new job "
+                           "and load_checkpoint to resume from the last checkpoint")
         except RayError as err:
             self.failed = f"a trainer rank failed: {err}"
         raise TrainerRankFailed(self.failed)
