@@ -125,3 +125,19 @@ def test_the_plain_layout_is_only_for_dense_unquantized_architectures():
     assert not _plain(config(["Qwen3MoeForCausalLM"]))
     assert not _plain(config(["Qwen3ForCausalLM"], quantization="fp8"))
     assert not _plain(config([]))
+
+
+def test_a_bucket_stored_for_the_object_store_loads_back_bit_for_bit_in_every_dtype_and_layout():
+    """`stored_buckets`: the object-store route's buckets travel as byte arrays (numpy: Ray's out-of-band path)."""
+    import numpy as np
+
+    from arctic_rl_core.samplers.stored_buckets import loaded, stored
+
+    bucket = [("w", torch.randn(3, 4)), ("bf16", torch.randn(5).to(torch.bfloat16)), ("half", torch.randn(2, 2).half()),
+              ("step", torch.tensor(7)), ("strided", torch.randn(4, 6)[:, ::2]), ("empty", torch.zeros(0, 3))]
+    sent = stored(bucket)
+    assert all(isinstance(data, np.ndarray) and data.dtype == np.uint8 for *_, data in sent)
+    back = loaded(sent)
+    assert [name for name, _ in back] == [name for name, _ in bucket]
+    for (_, before), (_, after) in zip(bucket, back):
+        assert after.dtype == before.dtype and after.shape == before.shape and torch.equal(after, before)

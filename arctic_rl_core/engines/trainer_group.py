@@ -29,6 +29,7 @@ from arctic_rl_core.engines.rank_plan import RankPlan, plan_ranks
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
 from arctic_rl_core.ray_job import RayJob, node_address, this_node
+from arctic_rl_core.samplers.stored_buckets import StoredBucket, loaded, stored
 
 
 class TrainerRankFailed(ArcticRLError):
@@ -73,9 +74,9 @@ class TrainerRank:
     def counters(self) -> tuple[bool, int]:
         return self.engine.has_gradients, self.engine.steps
 
-    def weights_bucket(self, bucket_bytes: int, restart: bool) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-        """The next ~`bucket_bytes` of full weights (rank 0 returns them; the other ranks take part in the
-        ZeRO-3 gathers and return none), and whether more follow."""
+    def weights_bucket(self, bucket_bytes: int, restart: bool) -> tuple[StoredBucket, bool]:
+        """The next ~`bucket_bytes` of full weights (rank 0 returns them, for the object store; the other ranks
+        take part in the ZeRO-3 gathers and return none), and whether more follow."""
         if restart or self._weights is None:
             self._weights = self.engine.named_full_weights()
         out, size = [], 0
@@ -84,9 +85,9 @@ class TrainerRank:
                 out.append((name, tensor.detach().cpu().clone()))
             size += tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
-                return out, True
+                return stored(out), True
         self._weights = None
-        return out, False
+        return stored(out), False
 
     def join_sync_group(self, host: str, port: int, world: int, timeout_s: float, nccl: bool) -> None:
         """Rank 0 only: become rank 0 (the source) of the sampler replicas' weight-sync group."""
@@ -158,7 +159,7 @@ class RankZeroWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for ref in self.bucket_refs():
-            yield from self.group._wait([ref])[0]
+            yield from loaded(self.group._wait([ref])[0])
 
     # A sampler pool syncing by broadcast makes rank 0 the source of its group.
     def sync_address(self) -> tuple[str, int]:

@@ -21,6 +21,7 @@ from arctic_rl_core.cancellation import Cancellation
 from arctic_rl_core.ray_job import this_node
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.locks import SharedLock
+from arctic_rl_core.samplers.stored_buckets import StoredBucket, loaded
 from arctic_rl_core.samplers.vllm_worker import join_group, receive_buckets
 from arctic_rl_core.types import Completion, SamplingParams
 
@@ -184,8 +185,8 @@ class SamplerReplica:
         self._loader = threading.Thread(target=load, name="arctic-rl-replica-load", daemon=True)
         self._loader.start()
 
-    def put_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        self._incoming.put(bucket)  # waits while the loader holds the previous bucket
+    def put_bucket(self, bucket: StoredBucket) -> None:
+        self._incoming.put(loaded(bucket))  # waits while the loader holds the previous bucket
 
     def end_load(self) -> int:
         self._incoming.put(None)

@@ -41,6 +41,7 @@ from arctic_rl_core.samplers.base import Sampler
 from arctic_rl_core.samplers.engine_metrics import relabelled
 from arctic_rl_core.ray_job import node_address
 from arctic_rl_core.samplers.prefix_affinity import PrefixIndex, block_hashes
+from arctic_rl_core.samplers.stored_buckets import stored
 from arctic_rl_core.samplers.replica import SamplerReplica
 from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
 from arctic_rl_core.types import Completion, SamplingParams
@@ -214,7 +215,7 @@ class SamplerPool(Sampler):
             self._group = None  # the group had the dead replica: formed again at the next sync
             peer = next((s for s in self._slots if s.healthy and s.weight_version == self._version), None)
             held = ray.get(peer.actor.export_weights.remote()) if peer is not None else None
-            refs = [ray.put(held)] if held is not None else []
+            refs = [ray.put(stored(held))] if held is not None else []
         if not refs:
             return "stale", "waits for the next sync_weights (no peer could give the current weights)"
         if not self._send_object_store([slot], refs, self._version):
@@ -402,10 +403,10 @@ class SamplerPool(Sampler):
             bucket.append((name, tensor.detach().cpu().clone()))
             size += tensor.numel() * tensor.element_size()
             if size >= self.bucket_bytes:
-                yield ray.put(bucket)
+                yield ray.put(stored(bucket))
                 bucket, size = [], 0
         if bucket:
-            yield ray.put(bucket)
+            yield ray.put(stored(bucket))
 
     def _send_object_store(self, slots: list[_Slot], refs: list, version: int) -> list[tuple[_Slot, int]]:
         """The buckets `refs` to every slot's replica; (slot, tensors loaded) for each that survived."""

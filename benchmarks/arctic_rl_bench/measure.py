@@ -21,6 +21,14 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def qwen3_of_width(path: str, hidden: int, layers: int = 4) -> str:
+    """A tiny random Qwen3 whose size is set by its width: head dim 64, two query heads per KV head."""
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    return make_tiny_model("qwen3", path, hidden=hidden, layers=layers, heads=hidden // 64,
+                           kv_heads=max(1, hidden // 128), max_positions=512)
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1, cuda: bool = False) -> tuple[float, list[float]]:
     """Median (and all) of `repeats` timed calls after `warmup` untimed ones; with `cuda`, timed by CUDA
     events from an idle device, so the GPU's work counts, not only its launch."""

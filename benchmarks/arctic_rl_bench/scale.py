@@ -71,13 +71,11 @@ def worker(model_dir: str, ranks: int, replicas: int, sync: str, repeats: int) -
 
 
 def run(repeats: int, hidden: int) -> dict:
-    from arctic_rl_bench.measure import run_worker
-    from arctic_rl_core.models.tiny import make_tiny_model
+    from arctic_rl_bench.measure import qwen3_of_width, run_worker
 
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model("qwen3", os.path.join(tmp, "model"), hidden=hidden, layers=4, heads=hidden // 64,
-                                    kv_heads=max(1, hidden // 128), max_positions=512)
+        model_dir = qwen3_of_width(os.path.join(tmp, "model"), hidden)
         for name, (ranks, replicas, sync) in JOBS.items():
             rows[name] = run_worker("arctic_rl_bench.scale", model_dir, str(ranks), str(replicas), sync, str(repeats))
     return {"benchmark": "scale", "cpus": os.cpu_count(), "hidden": hidden, "repeats": repeats,

@@ -26,6 +26,7 @@ PATHS = (
 CUDA_PATHS = (("shared_memory", "in_process", "plain"), ("broadcast", "subprocess", "plain"),
               ("file", "in_process", "plain"))  # vLLM on GPUs has one layout; no shared memory between processes
 HIDDEN = (256, 1024, 2048)
+ACROSS_NODES_HIDDEN = 1024
 LAYERS = 4
 # Timed generations, RL-shaped (a group of samples per prompt), at a small and a large decode batch
 # (prompts x n sequences): oneDNN's packed kernels gain most on small ones.
@@ -64,15 +65,13 @@ def worker(model_dir: str, sync: str, placement: str, layout: str, repeats: int)
 def run(repeats: int, hidden_sizes=HIDDEN) -> dict:
     import torch
 
-    from arctic_rl_bench.measure import run_worker
-    from arctic_rl_core.models.tiny import make_tiny_model
+    from arctic_rl_bench.measure import qwen3_of_width, run_worker
 
     cuda = torch.cuda.is_available()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden in hidden_sizes:
-            model_dir = make_tiny_model("qwen3", os.path.join(tmp, f"h{hidden}"), hidden=hidden, layers=LAYERS,
-                                        heads=hidden // 64, kv_heads=max(1, hidden // 128), max_positions=512)
+            model_dir = qwen3_of_width(os.path.join(tmp, f"h{hidden}"), hidden, LAYERS)
             for sync, placement, layout in CUDA_PATHS if cuda else PATHS:
                 r = run_worker("arctic_rl_bench.sync", model_dir, sync, placement, layout, str(repeats))
                 rows.append({
@@ -89,12 +88,31 @@ def run(repeats: int, hidden_sizes=HIDDEN) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--hidden", type=int, nargs="+", default=list(HIDDEN), help="model widths (4 layers each)")
+    p.add_argument("--hidden", type=int, nargs="+", help="model widths (4 layers each); default: "
+                   f"{' '.join(map(str, HIDDEN))}, or {ACROSS_NODES_HIDDEN} with --across-nodes")
+    p.add_argument("--across-nodes", action="store_true",
+                   help="a 2-rank, 2-replica job's sync to replicas on the ranks' node and on another, side by side "
+                        "(arctic_rl_bench/sync_across_nodes.py)")
+    p.add_argument("--address", help="with --across-nodes: a running Ray cluster (else 2 raylets on this machine)")
+    p.add_argument("--trainer-node", default="node-a", help="with --address: the ranks' node, by its `name` label")
+    p.add_argument("--other-node", default="node-b", help="with --address: the other node, by its `name` label")
     p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:
-    result = run(args.repeats, args.hidden)
+    if args.across_nodes:
+        from arctic_rl_bench import sync_across_nodes
+
+        result = sync_across_nodes.run(args.repeats, args.hidden or [ACROSS_NODES_HIDDEN], LAYERS, args.address,
+                                       args.trainer_node, args.other_node)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            for r in result["results"]:
+                print(f"hidden {r['hidden']:5d} ({r['model_mb']:.0f} MB)  {r['route']:<14} replicas {r['replicas']:<13}"
+                      f"{r['sync_s'] * 1e3:8.1f} ms  {r['mb_per_s']:7.0f} MB/s")
+        return 0
+    result = run(args.repeats, args.hidden or HIDDEN)
     if args.json:
         print(json.dumps(result))
     else:
