@@ -44,7 +44,10 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
     assert result["weight_mb"] > 0.3  # several 0.1 MB buckets
     assert result["version"] == 2 and result["completion_versions"] == [2]
     assert result["behaviour_err"] <= 1e-3  # sampled log-probs are usable as behaviour log-probs
-    assert result["draws_move_on"] and result["drawn_again"]  # the generators' state put back draws the same again
+    # The worker's generators are put back as they were; in this process vLLM forms a call's batch at once, so the
+    # same draws land on the same samples (an engine core of its own forms it as the requests arrive).
+    assert result["draws_move_on"] and result["state_put_back"]
+    assert result["drawn_again"] or placement == "subprocess"
     assert result["shared_memory_files"] == []  # each is unlinked once both sides have it mapped
     # vLLM's engine core, where it is a process of its own (its one worker inside it), stops with the sampler
     assert len(result["engine_processes"]) == (1 if placement == "subprocess" else 0), result["engine_processes"]

@@ -54,6 +54,8 @@ def _sampler_weights(worker):
 
 
 def sync(model_dir, sync_path, placement, layout):
+    import torch
+
     from arctic_rl_core.types import Sequence
     from tests.helpers import grpo_batch
 
@@ -100,6 +102,7 @@ def sync(model_dir, sync_path, placement, layout):
     state = api.sampler.random_state()
     drawn, drawn_next = draw(), draw()
     api.sampler.set_random_state(state)
+    result["state_put_back"] = all(torch.equal(api.sampler.random_state()[k], v) for k, v in state.items())
     result["draws_move_on"] = drawn != drawn_next
     result["drawn_again"] = draw() == drawn
     from arctic_rl_core.patches import applied
