@@ -588,6 +588,7 @@ class InProcessBackend(TrainingAPI):
         with self._train_lock, self._critic_lock, self._weights_lock, self._sampler_lock:
             if self.critic is not None and not os.path.isdir(os.path.join(path, CRITIC_DIR)):
                 raise InvalidRequest("path", f"{path!r} holds no critic ({CRITIC_DIR}/): saved by a job without one")
+            generators = self._saved_sampling_generators(path) if publish else None
             state = self.engine.load(path, optimizer=optimizer)
             if self.critic is not None:
                 self.critic.load(os.path.join(path, CRITIC_DIR), optimizer=optimizer)
@@ -601,20 +602,22 @@ class InProcessBackend(TrainingAPI):
             self.sampler.load_weights(self.engine.named_full_weights(), version)
             self._weight_version = version
             self._synced_step = self.engine.steps
-            self._restore_sampling_generators(path)
+            if generators is not None and generators.keys() == self.sampler.random_state().keys():
+                self.sampler.set_random_state(generators)
             return CheckpointInfo(path=path, step=self.engine.steps, weight_version=self._weight_version)
 
-    def _restore_sampling_generators(self, path: str) -> None:
-        """The sampler's generators as they were at the save, so that unseeded sampling draws what the saved job
-        would have drawn next (a synchronous job resumed samples its next step's batch again). Only into the same
-        layout (one sampler, or as many replicas); a checkpoint from before this was kept, or from another layout,
-        leaves them as they are: it changes which samples are drawn, never how."""
+    def _saved_sampling_generators(self, path: str) -> dict | None:
+        """The sampler's generators as they were at the save (read before anything is restored: a file that does
+        not read is refused with the job unchanged), to put back where the job has the saved layout (one sampler,
+        or as many replicas), so that unseeded sampling draws what the saved job would have drawn next. A
+        checkpoint from before they were kept has none: they stay as they are (which samples, never how)."""
         file = os.path.join(path, SAMPLER_RANDOM_STATE)
         if not os.path.isfile(file):
-            return
-        saved = load_file(file)
-        if saved.keys() == self.sampler.random_state().keys():
-            self.sampler.set_random_state(saved)
+            return None
+        try:
+            return load_file(file)
+        except Exception as err:  # noqa: BLE001 -- safetensors' own errors: the file is not what it says
+            raise InvalidRequest("path", f"{file} does not read as the sampler's generators: {err}") from None
 
     def close(self) -> None:
         """Stop what this job started outside its process (a trainer group's and a sampler pool's Ray actors)."""

@@ -291,6 +291,14 @@ def test_a_job_resumed_from_its_checkpoint_samples_the_batch_the_saved_job_sampl
     resumed = make_backend()
     resumed.load_checkpoint(str(tmp_path / "checkpoint"))
     assert draw(resumed) == next_batch
+    # A generators' file that does not read is refused by name before anything is restored.
+    resumed.fwd_bwd(grpo_batch(), "grpo")
+    resumed.step()  # its weights now differ from the checkpoint's, which a partial load would write
+    (tmp_path / "checkpoint" / "sampler_random_state.safetensors").write_bytes(b"not safetensors")
+    before = weights(resumed)
+    with pytest.raises(InvalidRequest, match="sampler's generators") as err:
+        resumed.load_checkpoint(str(tmp_path / "checkpoint"))
+    assert err.value.field == "path" and all(torch.equal(w, before[n]) for n, w in weights(resumed).items())
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
