@@ -288,10 +288,13 @@ def test_r3_on_vllm_records_vllms_own_routing_through_the_prefix_cache_and_a_wei
     assert result["cached_rows"] >= 15 * 64 and result["uncached_cached_rows"] == 0, result
     differ, choices = result["prompt_choices_unlike_uncached"]
     assert result["prompt_rows_equal"] and choices == 16 * 150 * 2 and differ <= 0.01 * choices, result
-    # a weight sync mid-generation: the tokens sampled before it keep the routing they were sampled with (the
-    # tokens after it: docs/sampler.md); once synced, the sampler's MoE weights are the trainer's
+    # a weight sync mid-generation: each span is replayed under the weights that sampled it. The tokens sampled
+    # before the sync keep the routing they were sampled with; the continuation computes them again under the new
+    # weights routed by that record, so the trainer replaying the record attends to the KV the sampler attended to.
+    # Once synced, the sampler's MoE weights are the trainer's.
     assert result["crossed"] == 8 and result["crossed_rows_ok"], result
-    assert result["v0_span_err"] <= 2e-5 and result["synced_lp_err"] <= 2e-5, result
+    assert result["v0_span_err"] <= 2e-5 and result["v1_span_err"] <= 2e-5, result
+    assert result["synced_lp_err"] <= 2e-5, result
 
 
 @pytest.mark.scenario
@@ -353,6 +356,105 @@ def test_a_sample_cut_by_weight_syncs_keeps_each_tokens_row_from_the_request_tha
         sample_record(prompt, 2, [("r0", 0)], {"r0": _rows(0, 3)})
 
 
+def test_a_continuation_after_a_weight_sync_is_routed_by_its_samples_record_up_to_the_cut():
+    from arctic_rl_core.samplers.vllm_routed_experts import CONTINUES, sample_record
+
+    recorder = _recorder()
+    table = np.array([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    # "a": 4-token prompt, then 3 decode steps (rows 0..6: the prompt and 3 sampled tokens' inputs); a sync cuts it
+    # after 4 sampled tokens, "c" continues it from the prompt + 4 tokens: 8 positions, rows 0..6 forced
+    recorder.after_step(_rows(0, 4), ["a"], np.array([4]), np.array([0]), table[:1])
+    for position in range(4, 7):
+        recorder.after_step(_rows(position, 1), ["a"], np.array([1]), np.array([position]), table[:1])
+    recorder.after_step(_rows(0, 0), [], np.array([], dtype=np.int64), np.array([], dtype=np.int64), table,
+                        finished=["a"])
+    recorder.force("c", {"prompt": 4, "sampled": 4, "spans": [["a", 0]]})
+    # a step that prefills 5 of c's 8 positions beside "b" (2 rows), then one that prefills the rest
+    index, rows = recorder.forced_step(["b", "c"], np.array([2, 5]), np.array([0, 0]))
+    assert index.tolist() == [2, 3, 4, 5, 6] and rows[:, 0, 0].tolist() == [0, 1, 2, 3, 4]
+    index, rows = recorder.forced_step(["c", "b"], np.array([3, 1]), np.array([5, 2]))
+    assert index.tolist() == [0, 1] and rows[:, 0, 0].tolist() == [5, 6]  # position 7 is c's own: it sampled from it
+    assert recorder.forced_step(["c"], np.array([1]), np.array([8])) is None  # decoding
+    # the record then spliced from both is the forced one, and the continuation ends: forgotten
+    recorder.after_step(np.concatenate([_rows(0, 7), _rows(200, 1)]), ["c"], np.array([8]), np.array([0]), table[2:])
+    records = {k: v[: v.shape[0]] for k, v in
+               ((k, np.frombuffer(b, np.uint8).reshape(-1, 2, 2)) for k, b in recorder.take(["a", "c"]).items())}
+    assert sample_record(4, 5, [("a", 0), ("c", 4)], records)[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 200]
+    recorder.after_step(_rows(0, 0), [], np.array([], dtype=np.int64), np.array([], dtype=np.int64), table,
+                        finished=["c"])
+    assert not recorder.forced
+    # cut before it sampled anything: the prompt rows the first request computed (all but the last) are forced
+    recorder.after_step(_rows(50, 3), ["d"], np.array([3]), np.array([0]), table[:1])
+    recorder.force("e", {"prompt": 4, "sampled": 0, "spans": [["d", 0]]})
+    assert recorder.forced["e"][:, 0, 0].tolist() == [50, 51, 52]
+    recorder.force("f", {"prompt": 4, "sampled": 1, "spans": [["gone", 0]]})  # rows taken: nothing forced
+    assert "f" not in recorder.forced and CONTINUES == "arctic_r3_continues"
+
+
+def _moe_layer(layer: int, router):
+    """vLLM's MoE runner of decoder layer `layer` around `router`, as far as routing goes."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    module = MoERunner.__new__(MoERunner)
+    torch.nn.Module.__init__(module)
+    module.layer_name, module.router = f"model.layers.{layer}.mlp.experts", router
+    return module
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_vllms_router_routes_a_continuations_forced_rows_by_its_own_rule(renormalize):
+    """Forced rows get the recorded experts, weighted from the live logits as vLLM's CPU router weights its own
+    choice; the other rows keep the router's choice untouched."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from arctic_rl_core.samplers.vllm_routed_experts import _route_by_records
+
+    torch.manual_seed(0)
+    router = CPURouter(top_k=2, global_num_experts=6, renormalize=renormalize)
+    native = CPURouter(top_k=2, global_num_experts=6, renormalize=renormalize)
+    rows = torch.tensor([[[0, 1], [5, 4]], [[2, 3], [3, 0]]], dtype=torch.uint8)  # 2 forced rows, [layers, top_k]
+    forced = [None]
+    _route_by_records("qwen3_moe", torch.nn.Sequential(_moe_layer(1, router)), lambda: forced[0])
+    logits = torch.randn(5, 6)
+    assert all(torch.equal(a, b) for a, b in zip(router._compute_routing(None, logits, None),
+                                                 native._compute_routing(None, logits, None)))
+    forced[0] = (torch.tensor([1, 3]), rows)
+    weights, ids = router._compute_routing(None, logits, None)
+    want_w, want_ids = native._compute_routing(None, logits, None)
+    assert ids[[1, 3]].tolist() == [[5, 4], [3, 0]]  # layer 1's rows
+    for row, chosen in ((1, [5, 4]), (3, [3, 0])):
+        # vLLM's rule on those experts: a softmax over their logits, or their share of the softmax over all
+        if renormalize:
+            expect = torch.softmax(logits[row, chosen], -1)
+        else:
+            expect = torch.softmax(logits[row], -1)[chosen]
+        torch.testing.assert_close(weights[row], expect, rtol=1e-6, atol=1e-7)
+    keep = [0, 2, 4]
+    assert torch.equal(ids[keep], want_ids[keep]) and torch.equal(weights[keep], want_w[keep])
+    # forced to vLLM's own choice, every row is weighted as vLLM weights it
+    own = torch.stack([torch.zeros_like(want_ids), want_ids], 1).to(torch.uint8)
+    forced[0] = (torch.arange(5), own)
+    weights, ids = router._compute_routing(None, logits, None)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+
+
+def test_r3_on_a_router_whose_rule_a_continuation_cannot_follow_is_refused_by_name():
+    import torch
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from arctic_rl_core.errors import InvalidRequest
+    from arctic_rl_core.samplers.vllm_routed_experts import _route_by_records
+
+    grouped = CPURouter(top_k=2, global_num_experts=8, use_grouped_topk=True, num_expert_group=2, topk_group=1)
+    with pytest.raises(InvalidRequest) as err:
+        _route_by_records("deepseek_v3", torch.nn.Sequential(_moe_layer(0, grouped)), lambda: None)
+    assert err.value.field == "router_replay" and "deepseek_v3" in err.value.message
+    assert "CPURouter" in err.value.message and "grouped True" in err.value.message
+
+
 def test_r3_on_a_family_vllm_serves_without_a_router_hook_is_refused_by_name():
     """vLLM's `bind_routed_experts_capturer` finds no router on a dense module: refused at load, naming the family."""
     from types import SimpleNamespace
@@ -365,7 +467,8 @@ def test_r3_on_a_family_vllm_serves_without_a_router_hook_is_refused_by_name():
                                    get_num_experts_per_tok=lambda: 2, hf_text_config=SimpleNamespace(model_type="x"))
     config = SimpleNamespace(use_v2_model_runner=False, speculative_config=None, model_config=model_config,
                              scheduler_config=SimpleNamespace(max_num_batched_tokens=8),
-                             parallel_config=SimpleNamespace(data_parallel_rank=0, tensor_parallel_size=1))
+                             parallel_config=SimpleNamespace(data_parallel_rank=0, data_parallel_size=1,
+                                                             tensor_parallel_size=1))
     worker = RoutedExpertsExtension()
     worker.model_runner = SimpleNamespace(vllm_config=config, get_model=lambda: torch.nn.Linear(2, 2))
     with pytest.raises(InvalidRequest) as err:

@@ -1035,11 +1035,11 @@ def snapshots(model_dir, placement="in_process"):
             "versions": versions, "sampled_versions": [base_again[3], trained_again[3]]}
 
 
-def _r3_backend(model_dir):
+def _r3_backend(model_dir, placement):
     from arctic_rl_core.backend import InProcessBackend
 
     return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2}, "router_replay": "R3",
-                             "sampler": {"name": "vllm", "kv_cache_mb": 64}})
+                             "sampler": {"name": "vllm", "kv_cache_mb": 64, "placement": placement}})
 
 
 def _native_routing(api, prompt, completions):
@@ -1066,8 +1066,10 @@ def _disagreeing(records, native, moe_layers) -> tuple[int, int]:
 def r3(model_dir):
     """R3 from the vLLM sampler on a tiny Qwen3-MoE: each completion's record is vLLM's routing (against the trainer's
     fp32 routing of the same tokens), replayed its log-probs are the sampler's; a GRPO group of 16 on one prompt served
-    from the prefix cache keeps one prompt routing, that of a run without caching (an engine in its own process); a
-    weight sync mid-generation leaves each span the routing of the weights that sampled it."""
+    from the prefix cache keeps one prompt routing, that of a run without caching; a weight sync mid-generation leaves
+    each span the routing of the weights that sampled it, the continuation's KV computed by that routing. The job's
+    engine runs in a process of its own (as under `arctic-rl serve`), the engine without caching on a thread of this
+    one: both placements record."""
     import tempfile
 
     import numpy as np
@@ -1075,7 +1077,7 @@ def r3(model_dir):
     from arctic_rl_core.types import Sequence, behaviour
     from tests.helpers import grpo_batch
 
-    api = _r3_backend(model_dir)
+    api = _r3_backend(model_dir, "subprocess")
     moe = list(api.engine.replay_shape.moe_layers)
     prompt = [5 + (i * 7) % 300 for i in range(150)]  # past a KV block: children of the group read cached blocks
     group = {"n": 16, "max_tokens": 8, "seed": 3, "ignore_eos": True}
@@ -1127,13 +1129,13 @@ def r3(model_dir):
                                           for c in crossed),
                    "v0_span_err": span_err(0, at_v0), "v1_span_err": span_err(1, at_v1)})
 
-    # The same group from an engine without prefix caching, in a process of its own.
+    # The same group from an engine without prefix caching, on a thread of this process.
     from arctic_rl_core.config import BackendConfig
     from arctic_rl_core.samplers.vllm_sampler import VLLMSampler
     from arctic_rl_core.types import SamplingParams
 
     uncached = VLLMSampler(BackendConfig.model_validate({"model_path": model_dir, "router_replay": "R3", "sampler": {
-        "name": "vllm", "placement": "subprocess", "kv_cache_mb": 64, "engine_args": {"enable_prefix_caching": False}}}))
+        "name": "vllm", "placement": "in_process", "kv_cache_mb": 64, "engine_args": {"enable_prefix_caching": False}}}))
     plain = uncached.generate([prompt], SamplingParams(**group), 0)
     result["uncached_cached_rows"] = uncached.rpc("arctic_routed_experts_cached_rows")[0]
     result["prompt_choices_unlike_uncached"] = _disagreeing(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from arctic_rl_core.errors import ArcticRLError
+from arctic_rl_core.samplers.vllm_routed_experts import CONTINUES
 
 
 @dataclass
@@ -101,6 +102,8 @@ class EngineLoop:
         """The engine core's output queue, where that core is a process of its own (vLLM's `SyncMPClient`)."""
         self._settle = False
         """Requests were aborted: step once more, though none is left."""
+        self.routes_continuations = False
+        """R3 is recorded: a cut sample's continuation is routed by its record up to the cut (`vllm_routed_experts`)."""
         built: Future = Future()
         self._thread = threading.Thread(target=self._main, args=(build, built), name=name, daemon=True)
         self._thread.start()
@@ -396,6 +399,10 @@ class EngineLoop:
         params.prompt_logprobs = None
         if params.seed is not None:  # not the draws its first tokens took again
             params.seed = (params.seed + done_tokens) % 2**63
+        if self.routes_continuations:  # computed again from its record's routing, never from another's cached KV
+            params.extra_args = {**(params.extra_args or {}), CONTINUES: {
+                "prompt": len(request.prompt_ids), "sampled": done_tokens, "spans": [list(s) for s in sample.spans]}}
+            params.skip_reading_prefix_cache = True
         request_id = f"arctic-{next(self._ids)}"
         try:
             engine_id = engine.add_request(request_id, {"prompt_token_ids": request.prompt_ids + sample.token_ids},

@@ -14,16 +14,28 @@ itself, after each `execute_model`:
   slot, under 256 experts), needs no eviction, and is cleared when a weight sync resets the prefix cache.
 - A request's record lives until the sampler takes it (`take`), which it does once each of its calls ends, ended
   requests included (a request cut by a weight sync keeps the rows sampled under the weights before it).
+- A sample cut by a weight sync goes on as a new request that computes its prompt and the tokens it sampled again,
+  under the new weights. Its `SamplingParams.extra_args[CONTINUES]` names the requests it continues; its routers are
+  then given the rows those requests recorded for the positions before the cut (`force`), with gate weights from
+  the live logits by the router's own rule, as the trainer replays a record. The KV its next tokens attend to is
+  then that of the record it carries, under the weights that sample them.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import numpy as np
 
 from arctic_rl_core.errors import ArcticRLError, InvalidRequest
 from arctic_rl_core.patches import InstancePatch
+
+logger = logging.getLogger(__name__)
+
+CONTINUES = "arctic_r3_continues"
+"""The `SamplingParams.extra_args` key of a request that continues a sample a weight sync cut: `{"prompt": its
+prompt's tokens, "sampled": tokens sampled before the cut, "spans": [[request id, first token it sampled], ...]}`."""
 
 _KEPT_ENDED = 1 << 16
 """Records of requests that ended and were not taken yet, at most (the oldest go first): a bound on what a caller
@@ -61,6 +73,8 @@ class RoutedExpertsRecorder:
         """Taken before the worker heard they ended (an abort crosses a step): rows that still come are dropped."""
         self.cached_rows = 0
         """Rows read from the store: tokens served from the prefix cache."""
+        self.forced: dict[str, np.ndarray] = {}
+        """Per continuing request, the rows its first positions are routed by (`force`)."""
         self.recording = True
 
     def after_step(self, rows: np.ndarray, request_ids: list[str], scheduled: np.ndarray, starts: np.ndarray,
@@ -92,10 +106,40 @@ class RoutedExpertsRecorder:
                 self.cached_rows += len(cached)
             record.put(start, rows[offset : offset + count])
 
+    def force(self, request_id: str, continues: dict) -> None:
+        """`request_id` continues a cut sample (`CONTINUES`): its positions before the cut are routed by the rows of
+        the requests it continues, as the sample's record will have them (`sample_record`)."""
+        spans = [(str(span), int(start)) for span, start in continues["spans"]]
+        missing = [span for span, _ in spans if span not in self.records]
+        if missing:  # taken, or forgotten past _KEPT_ENDED: its routing is not known here any more
+            logger.warning("router replay: request %s continues %s, whose rows are gone: its prefix is routed by "
+                           "the new weights' own choice", request_id, missing)
+            return
+        records = {span: self.records[span].rows[: self.records[span].filled] for span, _ in spans}
+        rows = _spliced(int(continues["prompt"]), int(continues["sampled"]), spans, records)
+        if rows is not None and len(rows):
+            self.forced[request_id] = rows
+
+    def forced_step(self, request_ids: list[str], scheduled: np.ndarray, starts: np.ndarray):
+        """This step's forced rows: (their indexes in the step's flattened batch, their rows [n, layers, top_k]), or
+        None where no request of the step is routed by a record."""
+        indexes, rows, offset = [], [], 0
+        for request_id, count, start in zip(request_ids, scheduled.tolist(), starts.tolist()):
+            forced = self.forced.get(request_id)
+            if forced is not None and start < len(forced):
+                end = min(start + count, len(forced))
+                indexes.append(np.arange(offset, offset + end - start))
+                rows.append(forced[start:end])
+            offset += count
+        if not indexes:
+            return None
+        return np.concatenate(indexes), np.concatenate(rows)
+
     def _slots(self, table: np.ndarray, requests: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return table[requests, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _ended(self, request_id: str) -> None:
+        self.forced.pop(request_id, None)
         if request_id in self.taken:
             self.taken.discard(request_id)
             self.records.pop(request_id, None)
@@ -143,6 +187,9 @@ class RoutedExpertsExtension:
         if config.speculative_config is not None:
             raise InvalidRequest("router_replay", "R3 with speculative decoding: the rows of rejected drafts are not "
                                  "told apart here; turn speculative decoding off")
+        if config.parallel_config.data_parallel_size > 1:
+            raise InvalidRequest("router_replay", "R3 with data parallelism inside one vLLM engine: a router sees other "
+                                 "ranks' tokens, where a continuation's recorded rows cannot be placed; run replicas")
         capturer = RoutedExpertsCapturer(config.scheduler_config.max_num_batched_tokens, config)
         try:
             bind_routed_experts_capturer(runner.get_model(), capturer)
@@ -158,10 +205,39 @@ class RoutedExpertsExtension:
         recorder = RoutedExpertsRecorder(capturer.shape_per_token, capturer.output_dtype_name,
                                          runner.input_batch.block_table[group].block_size,
                                          runner.kv_cache_config.num_blocks * groups[group].kv_cache_spec.block_size)
+        import torch
+
         step = runner.execute_model
+        this_step = {"output": None, "forced": None}
+        """The running step's scheduler output, where a request routed by a record runs in it, and its forced rows
+        (computed by the step's first router, once the runner has laid out its batch)."""
+
+        def forced_rows():
+            output = this_step["output"]
+            if output is None:  # no continuation runs, or a forward outside a step (warm-up, a dummy batch)
+                return None
+            if this_step["forced"] is None:
+                batch = runner.input_batch
+                request_ids = batch.req_ids[: batch.num_reqs]
+                forced = recorder.forced_step(
+                    request_ids, np.array([output.num_scheduled_tokens[r] for r in request_ids], dtype=np.int64),
+                    batch.num_computed_tokens_cpu[: len(request_ids)].astype(np.int64))
+                this_step["forced"] = False if forced is None else tuple(map(torch.from_numpy, forced))
+            return this_step["forced"] or None
+
+        _route_by_records(family, runner.get_model(), forced_rows)
 
         def recorded(scheduler_output, *args, **kwargs):
-            output = step(scheduler_output, *args, **kwargs)
+            if recorder.recording:
+                for new in scheduler_output.scheduled_new_reqs:
+                    extra = new.sampling_params.extra_args if new.sampling_params is not None else None
+                    if extra and CONTINUES in extra:
+                        recorder.force(new.req_id, extra[CONTINUES])
+            this_step.update(output=scheduler_output if recorder.forced else None, forced=None)
+            try:
+                output = step(scheduler_output, *args, **kwargs)
+            finally:
+                this_step.update(output=None, forced=None)
             total = scheduler_output.total_num_scheduled_tokens if recorder.recording else 0
             batch = runner.input_batch
             request_ids = batch.req_ids[: batch.num_reqs] if total else []
@@ -202,11 +278,58 @@ class RoutedExpertsExtension:
                 if isinstance(module, BaseRouter):
                     module.set_capture_fn(None)
         self._arctic_routes.recording = on
+        self._arctic_routes.forced.clear()
         return on
 
     def arctic_forget_routed_experts_cache(self) -> bool:
         self._arctic_routes.forget_cache()
         return True
+
+
+def _route_by_records(family: str, model, forced_rows) -> None:
+    """Each MoE layer's router also routes the rows `forced_rows()` gives (indexes in the batch, rows [n, layers,
+    top_k]) to their recorded experts, weighted from the live logits by the router's own rule (that of vLLM's
+    `_softmax_topk`: a softmax over the chosen logits where it renormalizes, else their share of the softmax over all).
+    Refused where a router follows another rule."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    for module in model.modules():
+        if not isinstance(module, MoERunner):
+            continue
+        router = module.router
+        rule = (getattr(router, "scoring_func", None), getattr(router, "use_grouped_topk", False),
+                getattr(router, "custom_routing_function", None), getattr(router, "e_score_correction_bias", None))
+        if not isinstance(router, BaseRouter) or rule != ("softmax", False, None, None):
+            raise InvalidRequest("router_replay", f"{family}: vLLM routes it with {type(router).__name__} "
+                                 f"(scoring {rule[0]}, grouped {rule[1]}, custom {rule[2] is not None}, bias "
+                                 f"{rule[3] is not None}), whose gate weights a sample continued after a weight sync "
+                                 "cannot be routed by its record with; R3 replays softmax top-k routers")
+        layer, renormalize, compute = module.layer_id, router.renormalize, router._compute_routing
+
+        def routed(hidden_states, router_logits, indices_type, *, input_ids=None, _layer=layer,
+                   _renormalize=renormalize, _compute=compute):
+            weights, ids = _compute(hidden_states, router_logits, indices_type, input_ids=input_ids)
+            forced = forced_rows()
+            if forced is None:
+                return weights, ids
+            index, rows = forced
+            chosen = rows[:, _layer].to(torch.int64)
+            logits = router_logits[index].float()
+            picked = logits.gather(1, chosen)
+            gates = picked.softmax(-1) if _renormalize else (picked - logits.logsumexp(-1, keepdim=True)).exp()
+            weights, ids = weights.clone(), ids.clone()
+            weights[index], ids[index] = gates.to(weights.dtype), chosen.to(ids.dtype)
+            return weights, ids
+
+        def wrap(router, routed=routed) -> int:
+            router._compute_routing = routed
+            return 1
+
+        InstancePatch("_compute_routing also routes a continued sample's recorded positions by its record", wrap,
+                      "R3 from vLLM: a sample cut by a weight sync is computed again under the new weights",
+                      __name__).apply(router)
 
 
 def rows_of(taken: bytes, layers: int, top_k: int, dtype: str) -> np.ndarray:
@@ -226,6 +349,19 @@ def sample_record(prompt_tokens: int, sampled: int, spans: list[tuple[str, int]]
     total = prompt_tokens + sampled - 1
     if sampled == 0:
         return None
+    rows = _spliced(prompt_tokens, sampled, spans, records)
+    filled = 0 if rows is None else len(rows)
+    if filled < total:
+        raise ArcticRLError(f"router replay: the engine recorded {filled} of the sample's {total} rows "
+                           f"(requests {[request_id for request_id, _ in spans]})")
+    return rows
+
+
+def _spliced(prompt_tokens: int, sampled: int, spans: list[tuple[str, int]],
+             records: dict[str, np.ndarray]) -> np.ndarray | None:
+    """`sample_record`'s rows, as far as the spans' records reach (None: none); with `sampled == 0`, the prompt rows
+    the first requests computed before a cut."""
+    total = prompt_tokens + sampled - 1
     rows, filled = None, 0
     ends = [start for _, start in spans[1:]] + [sampled]
     for (request_id, _), end in zip(spans, ends):
@@ -237,7 +373,4 @@ def sample_record(prompt_tokens: int, sampled: int, spans: list[tuple[str, int]]
             rows = np.empty((total, *record.shape[1:]), record.dtype)
         rows[filled:stop] = record[filled:stop]
         filled = stop
-    if filled < total:
-        raise ArcticRLError(f"router replay: the engine recorded {filled} of the sample's {total} rows "
-                           f"(requests {[request_id for request_id, _ in spans]})")
-    return rows
+    return None if rows is None else rows[:filled]

@@ -191,7 +191,7 @@ class VLLMSampler(Sampler):
         (`vllm_routed_experts`); each completion carries the routing it was sampled with."""
         if config.router_replay == "R3" and moe_shape(hf) is not None:
             self.routed_experts = self.rpc("arctic_record_routed_experts", args=(hf.get_text_config().model_type,))[0]
-        self._recording = self.routed_experts is not None
+        self._recording = self._loop.routes_continuations = self.routed_experts is not None
 
     def forest_cascade_served(self) -> dict:
         """zorro.inference: the engine's decoding steps run with forest cascade attention (`cascade`), those whose
@@ -331,7 +331,7 @@ class VLLMSampler(Sampler):
 
         def switch() -> None:  # between two engine steps: no call sees the engine and the sampler disagree
             self.rpc("arctic_routed_experts_recording", args=(on,))
-            self._recording = on
+            self._recording = self._loop.routes_continuations = on
 
         self._loop.call(switch)
 
