@@ -269,14 +269,25 @@ def test_reshaped_sampling_reports_the_models_own_log_probs_or_the_sampled_distr
 
 
 @pytest.mark.scenario
-@pytest.mark.parametrize("placement", ["in_process", "subprocess"])
-def test_zorro_inference_decodes_shared_prompts_with_forest_cascade_attention(tiny_model, placement):
+@pytest.mark.parametrize("placement, family", [("in_process", "qwen3"), ("subprocess", "qwen3_moe")])
+def test_zorro_inference_decodes_shared_prompts_with_forest_cascade_attention(tiny_models, tmp_path, placement,
+                                                                               family):
     """zorro.inference inside vLLM (here its CPU engine, the kernels under Triton's interpreter): the decoding steps
     of 2 prompts x 4 samples read each prompt's shared blocks once, and the samples' log-probs are the trainer's.
-    In a vLLM process of its own it is registered by our vllm.general_plugins entry point."""
-    result = run_scenario("cascade", tiny_model, placement)
+    In a vLLM process of its own it is registered by our vllm.general_plugins entry point. There, on a
+    mixture-of-experts model with R3, the cascade records: each sample's routing is vLLM's, replayed by the trainer."""
+    if family in tiny_models:
+        model = tiny_models[family]
+    else:
+        from arctic_rl_core.models.tiny import make_tiny_model
+
+        model = make_tiny_model(family, str(tmp_path / family), max_positions=256)
+    replay = "R3" if family.endswith("_moe") else "off"
+    result = run_scenario("cascade", model, placement, replay)
     assert result["lengths"] == [8] and result["distinct"] > 1
     assert result["sampled_err"] <= 1e-4
+    if replay == "R3":  # every token but the last sampled one; near-ties aside (none seen), the trainer's choice
+        assert result["rows_ok"] and result["choices"] > 500 and result["disagree"] <= 0.01 * result["choices"], result
     # 8 tokens: the first from the prefill, 7 decoding steps, each in both attention layers. Where vLLM prefilled
     # the second prompt a step after the first (its engine core takes requests as they arrive), that step mixes a
     # prefill in and runs vLLM's own kernels.

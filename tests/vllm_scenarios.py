@@ -12,11 +12,13 @@ import threading
 import time
 
 
-def backend(model_dir, sync="shared_memory", placement="in_process", layout="packed", zorro=None, engine_args=None):
+def backend(model_dir, sync="shared_memory", placement="in_process", layout="packed", zorro=None, engine_args=None,
+            router_replay="off"):
     from arctic_rl_core.backend import InProcessBackend
 
     # 0.1 MB buckets: the tiny model's weights then travel in several (the bucketed paths reuse their buffers).
     return InProcessBackend({"model_path": model_dir, "engine": {"learning_rate": 1e-2}, "zorro": zorro or {},
+                             "router_replay": router_replay,
                              "sampler": {"name": "vllm", "sync": sync, "placement": placement, "kv_cache_mb": 64,
                                          "bucket_mb": 0.1, "cpu_weight_layout": layout,
                                          "engine_args": engine_args or {}}})
@@ -871,20 +873,28 @@ def crossing(model_dir, placement="in_process"):
     return result
 
 
-def cascade(model_dir, placement="in_process"):
+def cascade(model_dir, placement="in_process", router_replay="off"):
     """zorro.inference: decoding steps whose samples share prompt blocks run forest cascade attention inside
-    vLLM, and what they sample is what the trainer computes."""
+    vLLM, and what they sample is what the trainer computes. With R3 (a mixture-of-experts model), each sample's
+    record is vLLM's routing, and replayed the trainer's log-probs are the sampler's."""
     from arctic_rl_core.patches import applied
-    from arctic_rl_core.types import SamplingParams
+    from arctic_rl_core.types import SamplingParams, Sequence, behaviour
 
     # 16-token blocks: the 70-token prompt's samples share 4 full blocks, the 40-token one's 2.
-    api = backend(model_dir, placement=placement, zorro={"inference": True}, engine_args={"block_size": 16})
+    api = backend(model_dir, placement=placement, zorro={"inference": True}, engine_args={"block_size": 16},
+                  router_replay=router_replay)
     prompts = [[(7 * i + 3) % 500 + 1 for i in range(70)], [(11 * i + 5) % 500 + 1 for i in range(40)]]
     completions = api.generate(prompts, SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3))
-    seqs = [{"prompt_ids": prompts[c.prompt_index], "response_ids": c.token_ids} for c in completions]
+    seqs = [Sequence(prompt_ids=prompts[c.prompt_index], response_ids=c.token_ids, **behaviour(c)) for c in completions]
     result = {"sampled_err": max_err([c.logprobs for c in completions], api.log_probs(seqs).logprobs),
               "lengths": sorted({len(c.token_ids) for c in completions}),
               "distinct": len({tuple(c.token_ids) for c in completions})}
+    if router_replay == "R3":
+        records = [c.routed_experts.array() for c in completions]
+        native = [_native_routing(api, prompts[c.prompt_index], [c])[0] for c in completions]
+        differ, total = _disagreeing(records, native, list(api.engine.replay_shape.moe_layers))
+        result.update(rows_ok=all(len(r) == len(prompts[c.prompt_index]) + len(c.token_ids) - 1
+                                  for r, c in zip(records, completions)), disagree=differ, choices=total)
     result["served_groups"] = api.sampler.forest_cascade_served()
     # A training step and a sync: the engine keeps its backend (the registry was restored after its start).
     from tests.helpers import grpo_batch
