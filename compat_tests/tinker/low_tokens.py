@@ -1,5 +1,5 @@
 """The compat tests' RL task for tinker-cookbook's loop: the reward is the share of sampled tokens in the lower half of
-the vocabulary. `python -m compat_tests.tinker.low_tokens URL MODEL LOG_PATH LEARNING_RATE` runs the cookbook's
+the vocabulary. `python -m compat_tests.tinker.low_tokens URL MODEL LOG_PATH LEARNING_RATE BATCHES` runs the cookbook's
 `rl.train.main` on it as a user would, with the API key in $TINKER_API_KEY."""
 
 from __future__ import annotations
@@ -78,6 +78,14 @@ def rl_rewards(log_path: Path) -> list[float]:
     return [row["env/all/reward/total"] for row in metrics(log_path) if "env/all/reward/total" in row]
 
 
+def learned(rewards: list[float], rise: float) -> bool:
+    """Whether a loop learned the task: the median of its last three steps' rewards is `rise` above the mean of its
+    first three. A loop that learns rises to about 1.0; on the way, one step can drop by up to 0.5 and recover at the
+    next (Adam's steps at these learning rates overshoot: the trainer's own entropy rises with it, and the sampler's
+    log-probs stay its trainer's), so one such step among the last three does not decide."""
+    return sorted(rewards[-3:])[1] > sum(rewards[:3]) / 3 + rise
+
+
 if __name__ == "__main__":
-    url, model, log_path, learning_rate = sys.argv[1:]
-    asyncio.run(rl_train.main(rl_config(url, model, Path(log_path), float(learning_rate))))
+    url, model, log_path, learning_rate, batches = sys.argv[1:]
+    asyncio.run(rl_train.main(rl_config(url, model, Path(log_path), float(learning_rate), int(batches))))

@@ -19,7 +19,7 @@ from tinker_cookbook.supervised import train as sl_train
 from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatasetBuilder
 
 from compat_tests.main_server import serving, serving_light, tiny_qwen3
-from compat_tests.tinker.low_tokens import VOCAB_HALF, metrics, rl_config, rl_rewards
+from compat_tests.tinker.low_tokens import VOCAB_HALF, learned, metrics, rl_config, rl_rewards
 
 # As a user of the SDK sets it; a loopback server without a token takes any (the SDK insists on the prefix).
 os.environ.setdefault("TINKER_API_KEY", "tml-loopback")
@@ -54,6 +54,10 @@ def test_cookbook_rl_loop_raises_the_reward(server, tiny_model, tmp_path):
 
 
 TENANTS = 3
+BATCHES = 14
+"""Each tenant's steps. A tenant's reward leaves 0.5 at step 3 to 8 and reaches 1.0 two to four steps later (18
+loops on a 2-core Zen 3, 2026-12-03: the median of the last three read 1.00 in each); at 10 steps one CI run's
+tenant had only begun to rise (0.42, 0.73, 0.70 at steps 8-10)."""
 
 
 def test_three_tenants_run_the_cookbook_rl_loop_at_once_on_one_base_model(tiny_model, tmp_path):
@@ -71,18 +75,19 @@ def test_three_tenants_run_the_cookbook_rl_loop_at_once_on_one_base_model(tiny_m
     with serving(job, tmp_path / "server", "--checkpoint-dir", str(tmp_path / "server" / "checkpoints"),
                  "--tinker-tenants", str(TENANTS), "--tinker-keys", str(tmp_path / "keys.json")) as url:
         loops = [subprocess.Popen([sys.executable, "-m", "compat_tests.tinker.low_tokens", url, tiny_model,
-                                   str(tmp_path / name), "4e-2"], env={**os.environ, "TINKER_API_KEY": key},
+                                   str(tmp_path / name), "4e-2", str(BATCHES)],
+                                  env={**os.environ, "TINKER_API_KEY": key},
                                   stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.log", "w"))
                  for name, key in keys.items()]
         for loop, name in zip(loops, keys):
             assert loop.wait(timeout=900) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     for name in keys:
         rewards = rl_rewards(tmp_path / name)
-        assert len(rewards) == 10, (name, rewards)
-        assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, (name, rewards)
+        assert len(rewards) == BATCHES, (name, rewards)
         # Each tenant sampled its own adapter: the sampler's log-probs are its trainer's (the cookbook's own check).
         kl = [row["optim/kl_sample_train_v1"] for row in metrics(tmp_path / name) if "optim/kl_sample_train_v1" in row]
-        assert len(kl) == 10 and max(map(abs, kl)) < 1e-4, (name, kl)
+        assert len(kl) == BATCHES and max(map(abs, kl)) < 1e-4, (name, kl)
+        assert learned(rewards, rise=0.3), (name, rewards)
 
 
 class FixedRows(SupervisedDataset):
