@@ -663,7 +663,8 @@ class InProcessBackend(TrainingAPI):
             "critic": None if self.critic is None else self.critic.describe(),
             "sampler": (self.sampler.describe() if hasattr(self.sampler, "describe") else
                         [{"replica": 0, "node": "driver", "pid": os.getpid(), "healthy": True,
-                          "weight_version": self._weight_version, "placement": self.config.sampler.placement}]),
+                          "weight_version": self._weight_version, "placement": self.config.sampler.placement,
+                          "compute_threads": getattr(self.sampler, "compute_threads", None)}]),
         }
 
     def state_digest(self) -> str:

@@ -75,3 +75,14 @@ def test_a_subprocess_on_one_core_is_refused_at_start_up_and_the_server_never_co
     assert "sampler.placement" in done.stderr and "may run on 1:" in done.stderr, done.stderr[-2000:]
     with pytest.raises(httpx.ConnectError):  # nothing listens: the server never came up
         httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=5)
+
+
+def test_the_worker_inside_a_core_of_its_own_leaves_cores_to_the_server_as_vllms_own_worker_does():
+    """vLLM's CPU worker process computes on all cores but `VLLM_CPU_NUM_OF_RESERVED_CPU` (one by default), on the
+    cores `VLLM_CPU_OMP_THREADS_BIND` lists, or as it is with `nobind`; the worker inside our engine core the same."""
+    from arctic_rl_core.samplers.vllm_core_executor import worker_cores
+
+    assert [worker_cores(cores, {}) for cores in (1, 2, 16)] == [(1, None), (1, None), (15, None)]
+    assert worker_cores(16, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "4"}) == (12, None)
+    assert worker_cores(16, {"VLLM_CPU_OMP_THREADS_BIND": "2-4,7|8-15"}) == (4, [2, 3, 4, 7])
+    assert worker_cores(16, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) is None

@@ -182,14 +182,15 @@ def servers(started):
 
 def test_our_server_runs_vllms_engine_core_in_a_process_of_its_own_by_default(started):
     """`arctic-rl serve` on a job that sets no placement: vLLM's engine core is a process of its own under the
-    server, as under `vllm serve`, with its one worker inside it (as vLLM runs one GPU), and the status route says
-    which placement runs."""
+    server, as under `vllm serve`, with its one worker inside it (as vLLM runs one GPU) computing on all cores but
+    the one vLLM leaves its server, and the status route says which placement runs, on how many threads."""
     import psutil
 
     urls, pid = started
     status = httpx.get(f"{urls['arctic']}/v1/status", timeout=60).json()
     assert status["config"]["sampler"]["placement"] == "auto"
-    assert [row["placement"] for row in status["backend"]["sampler"]] == ["subprocess"]
+    assert [(row["placement"], row["compute_threads"]) for row in status["backend"]["sampler"]] == \
+        [("subprocess", max(1, len(os.sched_getaffinity(0)) - 1))]
     names = [p.name() for p in psutil.Process(pid).children(recursive=True)]
     # (a name as the kernel keeps it: its first 15 characters)
     assert any(n.startswith("VLLM::EngineCor") for n in names) and not any("Worker" in n for n in names), names

@@ -55,11 +55,9 @@ log = logging.getLogger("arctic_rl.sampler")
 _EXTENSION = "arctic_rl_core.samplers.vllm_worker.WorkerExtension"
 _SYNC_TIMEOUT_S = 600
 _BROADCAST_PORT = 29600
-_WORKER_IN_ENGINE_CORE = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
-"""vLLM's executor of one worker inside the engine core's process, as vLLM runs a one-device engine on GPUs. On CPU,
-vLLM 0.32 picks its multiprocessing executor instead (a worker process of its own), whose engine core spins while
-the worker computes: on 2 cores that spin took the CPU from the worker and the server, 16 x 256 tokens 1.25x slower
-(measured, docs/sampler.md). Given by its class's name, it is not the `uni` name vLLM's CPU platform replaces."""
+_WORKER_IN_ENGINE_CORE = "arctic_rl_core.samplers.vllm_core_executor.WorkerInCore"
+"""vLLM's executor of one worker inside the engine core's process, its threads as vLLM's CPU platform gives its
+worker's (`vllm_core_executor`). Given by its class's name, it is not the `uni` name vLLM's CPU platform replaces."""
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ranks vLLM's `max_lora_rank` may take: the served adapters' rank, rounded up."""
 
@@ -186,6 +184,8 @@ class VLLMSampler(Sampler):
         self._direct = self._expose_weights() if sc.sync == "shared_memory" else None
         self._direct_checked = False
         self._set_route()
+        self.compute_threads = None if self.cuda else self.rpc("arctic_compute_threads")[0]
+        """The threads the engine's CPU worker computes on (the status route's)."""
         self.routed_experts = None
         """R3 on a mixture-of-experts model: the record's shape and dtype and the size of the workers' per-KV-slot store
         (`vllm_routed_experts`); each completion carries the routing it was sampled with."""
