@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -20,6 +21,17 @@ def _backend_factory(config: BackendConfig):
     from arctic_rl_core.backend import InProcessBackend
 
     return InProcessBackend(config, served=True)
+
+
+def _server_process_backend(config: BackendConfig):
+    """`arctic-rl serve`'s, whose process is the server's alone: once the job has loaded, what it loaded (the trainer,
+    the tokenizer, the sampler's state) leaves the cycle collector's reach, as vLLM's engine core freezes its heap once
+    loaded. A full collection otherwise walked all of it while holding the interpreter lock: measured in a served tiny
+    job, up to 0.7 s, every request in flight stalled meanwhile."""
+    api = _backend_factory(config)
+    gc.collect()
+    gc.freeze()
+    return api
 
 
 def build_server(settings: ServerSettings, config: BackendConfig | None = None, backend_factory=_backend_factory) -> uvicorn.Server:
@@ -121,7 +133,7 @@ def main(args) -> int:
                               served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
                               tinker_full_parameter=args.tinker_full_parameter, tinker_tenants=args.tinker_tenants,
                               tinker_keys=tinker_keys(args.tinker_keys))
-    server = build_server(settings, config)
+    server = build_server(settings, config, _server_process_backend)
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)
     # uvicorn shuts down on SIGTERM, then raises the signal again under the handler it found: under the default one

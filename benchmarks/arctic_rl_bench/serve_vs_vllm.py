@@ -39,6 +39,7 @@ per run of the workload, medians over rounds.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -380,6 +381,10 @@ def _measure(work: str, rounds: int, repeats: int, names: list[str], placement: 
                                        os.path.join(work, "vllm.log"))}
     runs: dict[str, list[dict]] = {"arctic": [], "vllm": []}
     placed = {}
+    # The client's heap (torch and the model maker, loaded above) out of the cycle collector's reach: its full
+    # collections paused this process for up to 0.3 s, in whichever side's round they fell.
+    gc.collect()
+    gc.freeze()
 
     def one_round(side: str, served) -> None:
         url, pid = served
