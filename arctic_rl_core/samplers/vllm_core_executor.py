@@ -8,8 +8,9 @@ default), the one left to the engine core and the API server, or the cores `VLLM
 (`vllm.utils.ompmultiprocessing`). `UniProcExecutor` does neither: the worker computed on as many threads as cores,
 and the thread over took its core from the server's HTTP layer (on 2 cores, 32 streams took 1.3x as long as
 `vllm serve`'s, docs/benchmarks.md). Here the worker computes as vLLM's would; `nobind` leaves it as it is. A weight
-update takes every core (`vllm_worker.on_every_core`): nothing samples while it runs, and on one thread of 2 cores the packed
-layout's repack took 1.4x as long.
+update runs on the same threads, so the packed sync of 148 MB takes 1.4x as long on 2 cores (123 against 87 ms). Run
+on every core, it kept its speed but CI's Ray-cluster scenario then failed its resumed run's loss by 18% (repacked on
+other threads than at load, likely other floats).
 """
 
 from __future__ import annotations

@@ -268,19 +268,6 @@ def prepack_experts_on_weight_updates(model: torch.nn.Module) -> int:
     return len(methods)
 
 
-@contextlib.contextmanager
-def on_every_core():
-    """This thread's model computes on every core it may use, then on as many threads as before: a weight update runs
-    between two engine steps, while nothing samples (`vllm_core_executor`). vLLM's CPU worker makes
-    `torch.set_num_threads` refuse; PyTorch's own function is kept under `torch._C`."""
-    threads = torch.get_num_threads()
-    torch._C.set_num_threads(len(os.sched_getaffinity(0)))
-    try:
-        yield
-    finally:
-        torch._C.set_num_threads(threads)
-
-
 class WeightSyncExtension:
     def arctic_forest_cascade_served(self) -> dict:
         """Decoding steps this worker ran with forest cascade attention (zorro.inference), and without."""
@@ -335,8 +322,7 @@ class WeightSyncExtension:
     def arctic_repack(self) -> int:
         """After the trainer wrote the weights in place: rebuild the packs the forward pass multiplies with
         (`cpu_weight_layout: packed`; nothing for plain weights)."""
-        with on_every_core():
-            return repack(self.model_runner.get_model())
+        return repack(self.model_runner.get_model())
 
     def arctic_join_sync_group(self, host: str, port: int, timeout_s: float, nccl: bool) -> bool:
         """Join the trainer's two-member process group (trainer rank 0, this worker rank 1)."""
@@ -356,10 +342,6 @@ class WeightSyncExtension:
         return getattr(self.model_runner.get_model(), PLAIN_WEIGHTS, False)
 
     def _arctic_reload(self, weights) -> int:
-        with on_every_core():
-            return self._arctic_reload_here(weights)
-
-    def _arctic_reload_here(self, weights) -> int:
         if not getattr(self, "_arctic_moe_prepack", False):
             prepack_experts_on_weight_updates(self.model_runner.get_model())
             self._arctic_moe_prepack = True
