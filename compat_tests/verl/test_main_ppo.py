@@ -67,18 +67,17 @@ def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int
     return log
 
 
-def grpo_run(marker: str, tiny_model, server, client, folder) -> dict:
-    """The documented command `marker` for STEPS GRPO steps, with the backend's status around it."""
+def documented_run(marker: str, tiny_model, server, client, folder) -> dict:
+    """The documented command `marker` for STEPS steps, with the backend's status around it."""
     before, digest = client.status()["backend"], client.state_digest()
     log = run_documented(marker, tiny_model, server, folder, STEPS)
     return {"before": before, "after": client.status()["backend"], "digest": digest,
             "digest_after": client.state_digest(), "log": log}
 
 
-def assert_trained_the_jobs_engine_from_its_sampler(run: dict) -> None:
+def assert_trained_the_jobs_engine_from_its_sampler(run: dict, actors: int) -> None:
+    """`actors`: the job's trainer ranks and sampler replicas (one process, or 2 and 2)."""
     before, after = run["before"], run["after"]
-    # The job verl talked to: one process, or 2 trainer ranks and 2 sampler replicas (ARCTIC_RL_COMPAT_JOB).
-    actors = 2 if os.environ.get("ARCTIC_RL_COMPAT_JOB") == "distributed" else 1
     assert len(after["trainer"]) == len(after["sampler"]) == actors
     assert all(row["healthy"] for row in after["trainer"] + after["sampler"])
     # Generation came from Arctic RL's sampler: 16 prompts x n=4 per step went through its generate.
@@ -89,9 +88,8 @@ def assert_trained_the_jobs_engine_from_its_sampler(run: dict) -> None:
     assert after["weight_version"] - before["weight_version"] >= STEPS
 
 
-def assert_verls_loss_is_the_backends(run: dict) -> None:
+def assert_verls_loss_is_the_backends(log: str) -> None:
     # verl's reported policy loss (its own ppo_loss on our log-probs) equals the loss our backend trained on.
-    log = run["log"]
     verl_loss, arctic_loss = metric(log, "actor/pg_loss"), metric(log, "actor/arctic/loss")
     assert len(verl_loss) == len(arctic_loss) == STEPS, log[-3000:]
     for ours, theirs in zip(arctic_loss, verl_loss):
@@ -99,33 +97,40 @@ def assert_verls_loss_is_the_backends(run: dict) -> None:
     assert metric(log, "actor/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
 
 
-# run.sh runs the adapter's config (`main_ppo`) against the one-process job and verl's own config with the native
-# keys (`main_ppo_native`) against the 2-rank, 2-replica job: the config path and the job's shape are independent
-# (verl sees the same API), so each pairing is run once, each with the whole set of checks.
+# The adapter's config runs GRPO against the one-process job with R3 on a tiny Qwen3-MoE (`main_ppo_r3`: the
+# documented `main_ppo` command and R3's two keys; the dense model's sync trainer runs under GAE below, its GRPO
+# under the asynchronous trainer), and verl's own config with the native keys against the 2-rank, 2-replica job
+# (run.sh): the config path and the job's shape are independent (verl sees the same API), so each pairing is run
+# once, each with the whole set of checks.
 @pytest.fixture(scope="module")
-def adapter_config_run(tiny_model, server, client, tmp_path_factory):
-    return grpo_run("main_ppo", tiny_model, server, client, tmp_path_factory.mktemp("main_ppo"))
+def r3_run(moe_server, tmp_path_factory):
+    from arctic_rl_core.client import ArcticRLClient
+
+    model, url = moe_server
+    return documented_run("main_ppo_r3", model, url, ArcticRLClient(url), tmp_path_factory.mktemp("main_ppo_r3"))
 
 
 @pytest.fixture(scope="module")
 def native_keys_run(tiny_model, server, client, tmp_path_factory):
-    return grpo_run("main_ppo_native", tiny_model, server, client, tmp_path_factory.mktemp("main_ppo_native"))
+    return documented_run("main_ppo_native", tiny_model, server, client, tmp_path_factory.mktemp("main_ppo_native"))
 
 
-def test_main_ppo_grpo_steps_run_on_arctic_rl(adapter_config_run):
-    assert_trained_the_jobs_engine_from_its_sampler(adapter_config_run)
+def test_main_ppo_grpo_steps_run_on_arctic_rl(r3_run):
+    assert_trained_the_jobs_engine_from_its_sampler(r3_run, actors=1)
 
 
-def test_main_ppo_grpo_reports_the_loss_arctic_rl_trained_on(adapter_config_run):
-    assert_verls_loss_is_the_backends(adapter_config_run)
+def test_main_ppo_grpo_reports_the_loss_arctic_rl_trained_on(r3_run):
+    assert_verls_loss_is_the_backends(r3_run["log"])
 
 
 def test_verls_own_config_with_the_native_keys_runs_grpo_steps_on_arctic_rl(native_keys_run):
-    assert_trained_the_jobs_engine_from_its_sampler(native_keys_run)
+    # The job verl talked to: 2 trainer ranks and 2 sampler replicas (run.sh's ARCTIC_RL_COMPAT_JOB=distributed).
+    actors = 2 if os.environ.get("ARCTIC_RL_COMPAT_JOB") == "distributed" else 1
+    assert_trained_the_jobs_engine_from_its_sampler(native_keys_run, actors)
 
 
 def test_verls_own_config_with_the_native_keys_reports_the_loss_arctic_rl_trained_on(native_keys_run):
-    assert_verls_loss_is_the_backends(native_keys_run)
+    assert_verls_loss_is_the_backends(native_keys_run["log"])
 
 
 def test_verls_colocated_async_trainer_trains_on_arctic_rl_off_policy(tiny_model, server, client, tmp_path):
@@ -144,15 +149,10 @@ def test_verls_colocated_async_trainer_trains_on_arctic_rl_off_policy(tiny_model
                                              for ours, theirs in zip(arctic_loss, verl_loss))
 
 
-def test_main_ppo_with_router_replay_r3_replays_every_sampled_sequence(moe_server, tmp_path):
+def test_main_ppo_with_router_replay_r3_replays_every_sampled_sequence(r3_run):
     """verl's R3 (`router_replay.mode=R3`, `rollout.enable_rollout_routing_replay`): every sequence of every update
     carries the routing the job's sampler recorded, through verl's agent loop and batches."""
-    model, url = moe_server
-    log = run_documented("main_ppo_r3", model, url, tmp_path, STEPS)
-    assert metric(log, "actor/arctic/replayed_sequences") == [16.0] * STEPS, log[-3000:]
-    verl_loss, arctic_loss = metric(log, "actor/pg_loss"), metric(log, "actor/arctic/loss")
-    assert len(arctic_loss) == STEPS and all(ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
-                                             for ours, theirs in zip(arctic_loss, verl_loss))
+    assert metric(r3_run["log"], "actor/arctic/replayed_sequences") == [16.0] * STEPS, r3_run["log"][-3000:]
 
 
 def run_python_module(args: list[str]) -> subprocess.CompletedProcess:
@@ -177,19 +177,20 @@ def test_the_job_block_is_set_whole_from_the_command_line():
     assert job == {"sampler": {"name": "vllm"}, "engine": {"zero_stage": 0}}
 
 
-
 def test_main_ppo_with_gae_trains_verls_critic_on_arctic_rl(tiny_model, server, client, tmp_path):
     """PPO with GAE: verl's critic worker reads values from, and trains, the job's critic; its value loss is the
-    backend's, step by step."""
-    before = client.status()["backend"]
-    values_before = client.values([{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]).values
-    log = run_documented("main_ppo_gae", tiny_model, server, tmp_path, STEPS)
-    after = client.status()["backend"]
+    backend's, step by step. The dense model's run of verl's synchronous trainer on the adapter's config: its actor
+    trains the job's engine from its sampler, on verl's loss, as under GRPO."""
+    probe = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]
+    values_before = client.values(probe).values
+    run = documented_run("main_ppo_gae", tiny_model, server, client, tmp_path)
+    before, after, log = run["before"], run["after"], run["log"]
     assert after["critic"]["optimizer_steps"] - before["critic"]["optimizer_steps"] == STEPS
-    assert after["optimizer_steps"] - before["optimizer_steps"] == STEPS
     verl_loss, arctic_loss = metric(log, "critic/vf_loss"), metric(log, "critic/arctic/loss")
     assert len(verl_loss) == len(arctic_loss) == STEPS, log[-3000:]
     for ours, theirs in zip(arctic_loss, verl_loss):
         assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
     assert metric(log, "critic/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
-    assert client.values([{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]).values != values_before
+    assert client.values(probe).values != values_before
+    assert_trained_the_jobs_engine_from_its_sampler(run, actors=1)
+    assert_verls_loss_is_the_backends(log)
