@@ -15,6 +15,7 @@ import sys
 
 import httpx
 import pandas as pd
+import pytest
 
 from conftest import QUESTIONS
 
@@ -74,19 +75,32 @@ def assert_the_backend_trained_skyrls_loss(metrics: dict[str, list[float]]) -> N
         assert computed < rows
 
 
-def test_main_base_grpo_steps_run_on_arctic_rl(tiny_model, server, client, gsm8k_model, tmp_path):
-    write_data(tmp_path)
-    before = client.status()
-    digest = client.state_digest()
-    metrics = run_documented(server, tiny_model, tmp_path, STEPS)
-    after = client.status()
+PROBE = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]
+"""A critic's input whose value GAE's run must change."""
 
+
+@pytest.fixture(scope="module")
+def gae_run(tiny_model, server, client, gsm8k_model, tmp_path_factory) -> dict:
+    """SkyRL's GAE through the documented command, STEPS steps: its critic is the job's. The one run of SkyRL's
+    synchronous trainer on the dense model with its default PPO policy loss (GRPO's advantages run in the
+    multi-turn, asynchronous and R3 runs): the backend's status, state digest and the probe's value around it."""
+    folder = tmp_path_factory.mktemp("gae")
+    write_data(folder)
+    before, digest, values = client.status(), client.state_digest(), client.values(PROBE).values
+    metrics = run_documented(server, tiny_model, folder, STEPS, "trainer.algorithm.advantage_estimator=gae",
+                             f"trainer.critic.model.path={tiny_model}", "trainer.critic_mini_batch_size=1",
+                             "trainer.critic.optimizer_config.lr=1e-3")
+    return {"before": before, "after": client.status(), "digest": digest, "digest_after": client.state_digest(),
+            "values": values, "values_after": client.values(PROBE).values, "metrics": metrics}
+
+
+def test_main_base_steps_run_on_arctic_rl(gae_run):
+    before, after, metrics = gae_run["before"], gae_run["after"], gae_run["metrics"]
     # Every completion SkyRL trained on came from the server's sampler, through SkyRL's own client.
     generated = after["serving"]["requests"]["generate"] - before["serving"]["requests"]["generate"]
     assert generated == STEPS * BATCH * N
     assert after["backend"]["generated"]["completions"] - before["backend"]["generated"]["completions"] == generated
-    # The rewards were mixed (the warm-up answers half rightly), so the loss had gradients to train on (at the
-    # first mini-batch of a step, GRPO's PPO loss is about 0: the ratio is 1 and a group's advantages sum to 0).
+    # The rewards were mixed (the warm-up answers half rightly), so the loss had gradients to train on.
     rewards = metrics["reward/avg_raw_reward"]
     assert any(0 < r < 1 for r in rewards), rewards
     assert any(v > 1e-4 for v in metrics["policy/grad_norm"]), metrics["policy/grad_norm"]
@@ -94,7 +108,7 @@ def test_main_base_grpo_steps_run_on_arctic_rl(tiny_model, server, client, gsm8k
     assert all(v > 1e-3 for v in metrics["policy/policy_kl"]), metrics["policy/policy_kl"]
     assert_the_backend_trained_skyrls_loss(metrics)
     # The weights changed on the server, by one optimizer step per mini-batch, and were synced to the sampler.
-    assert client.state_digest() != digest
+    assert gae_run["digest_after"] != gae_run["digest"]
     assert after["backend"]["optimizer_steps"] - before["backend"]["optimizer_steps"] == STEPS * BATCH // MINI
     assert after["backend"]["weight_version"] - before["backend"]["weight_version"] == STEPS + 1  # + the sync at start
 
@@ -117,26 +131,17 @@ def test_multi_turn_episodes_of_skyrl_gym_train_on_arctic_rl(tiny_model, server,
     assert_the_backend_trained_skyrls_loss(metrics)
 
 
-def test_ppo_with_gae_trains_skyrls_critic_on_the_jobs_critic(tiny_model, server, client, gsm8k_model, tmp_path):
+def test_ppo_with_gae_trains_skyrls_critic_on_the_jobs_critic(gae_run):
     """SkyRL's GAE: its critic is the job's. The values SkyRL's advantages are computed from come from `values`, each
     critic mini-batch is one `fwd_bwd(model="critic")`, and the value loss the backend took gradients of equals SkyRL's
     own `ppo_critic_loss` on the values of that forward, at every step."""
-    write_data(tmp_path)
-    before = client.status()["backend"]
-    probe = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]
-    values_before = client.values(probe).values
-    metrics = run_documented(server, tiny_model, tmp_path, STEPS, "trainer.algorithm.advantage_estimator=gae",
-                             f"trainer.critic.model.path={tiny_model}", "trainer.critic_mini_batch_size=1",
-                             "trainer.critic.optimizer_config.lr=1e-3")
-    after = client.status()["backend"]
+    before, after, metrics = gae_run["before"]["backend"], gae_run["after"]["backend"], gae_run["metrics"]
     for ours, skyrl in zip(metrics["critic/arctic_loss"], metrics["critic/critic_loss"], strict=True):
         assert math.isclose(ours, skyrl, rel_tol=1e-5, abs_tol=1e-7), (ours, skyrl)
     assert len(metrics["critic/critic_loss"]) == STEPS
     assert metrics["critic/arctic_groups"] == [1.0] * STEPS  # each critic mini-batch, one whole group
     assert after["critic"]["optimizer_steps"] - before["critic"]["optimizer_steps"] == STEPS * BATCH
-    assert after["optimizer_steps"] - before["optimizer_steps"] == STEPS * BATCH // MINI
-    assert client.values(probe).values != values_before  # the critic trained
-    assert_the_backend_trained_skyrls_loss(metrics)
+    assert gae_run["values_after"] != gae_run["values"]  # the critic trained
 
 
 def test_skyrls_fully_async_trainer_trains_on_arctic_rl_one_step_stale(tiny_model, server, client, gsm8k_model,
