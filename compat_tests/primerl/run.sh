@@ -8,8 +8,8 @@ cd "$(dirname "$0")/../.."
 compat_tests/primerl/dependencies.sh
 export ARCTIC_RL_MAIN_PYTHON="$PWD/.venv/bin/python"
 VENV=.cache/compat-primerl-venv
-"$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps .
-"$VENV/bin/python" -m pip install --quiet .
+source compat_tests/client.sh
+install_client "$VENV"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider compat_tests/primerl/test_verifiers.py "$@"
 PRIME_RL=.cache/compat-prime-rl-venv
 if [ ! -f "$PRIME_RL/.installed-prime-rl-559b447-torch-2.13.0" ]; then
@@ -18,7 +18,6 @@ if [ ! -f "$PRIME_RL/.installed-prime-rl-559b447-torch-2.13.0" ]; then
   exit 0
 fi
 # The client and the adapter's own distribution, into prime-rl's environment.
-"$PRIME_RL/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/primerl
-"$PRIME_RL/bin/python" -m pip install --quiet . ./adapters/primerl
+install_client "$PRIME_RL" ./adapters/primerl
 WANDB_MODE=offline "$PRIME_RL/bin/python" -m pytest -q -p no:cacheprovider compat_tests/primerl/test_trainer_boundary.py \
   compat_tests/primerl/test_orchestrator.py "$@"

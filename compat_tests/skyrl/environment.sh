@@ -5,6 +5,6 @@ VENV=.cache/compat-skyrl-venv
 compat_tests/skyrl/dependencies.sh
 # As a user installs them into SkyRL's environment: Arctic RL's thin client (the base package, no extras), then
 # the adapter's own distribution.
-"$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/skyrl
-"$VENV/bin/python" -m pip install --quiet . ./adapters/skyrl
+source compat_tests/client.sh
+install_client "$VENV" ./adapters/skyrl
 export ARCTIC_RL_MAIN_PYTHON="$PWD/.venv/bin/python"

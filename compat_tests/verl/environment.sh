@@ -5,6 +5,6 @@ VENV=.cache/compat-verl-venv
 compat_tests/verl/dependencies.sh
 # As a user installs them into verl's environment: Arctic RL's thin client (the base package, no extras),
 # then the adapter's own distribution, both regular installs (Hydra finds the adapter's search-path plugin).
-"$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/verl
-"$VENV/bin/python" -m pip install --quiet . ./adapters/verl
+source compat_tests/client.sh
+install_client "$VENV" ./adapters/verl
 export ARCTIC_RL_MAIN_PYTHON="$PWD/.venv/bin/python"
