@@ -1,6 +1,6 @@
 """CPU seconds per test, every process a test starts counted: where a suite's time goes, before cutting any.
 
-    PYTHONPATH=.ci PYTEST_ADDOPTS="-p per_test_cpu" PER_TEST_CPU=/tmp/cpu.tsv make test   # or scenarios, compat
+    PYTHONPATH=$PWD/.ci PYTEST_ADDOPTS="-p per_test_cpu" PER_TEST_CPU=/tmp/cpu.tsv make test   # or scenarios, compat
     python .ci/per_test_cpu.py /tmp/cpu.tsv [N]     # per file, then the N costliest tests
 
 Before each test its pytest process moves into a cgroup (v2) of its own, so whatever it starts (servers, Ray's
