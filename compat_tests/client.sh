@@ -1,4 +1,4 @@
-# Sourced from the repository root by the suites' scripts: `install_client VENV [ADAPTER_DIR...]` installs Arctic
+# Sourced from the repository root by the compat suites' scripts and `bench frameworks`' environments:
 # RL's thin client (the base package, no extras) and the given adapters' own distributions into VENV, as a user
 # installs them: regular installs from wheels (Hydra finds an adapter's search-path plugin). The first install
 # replaces what an earlier run of this checkout left (same version, other code) without touching the framework's

@@ -5,6 +5,6 @@
 set -euo pipefail
 VENV=.cache/compat-prime-rl-venv
 compat_tests/primerl/prime_rl_dependencies.sh >&2
-"$VENV/bin/python" -m pip install --quiet --force-reinstall --no-deps . ./adapters/primerl >&2
-"$VENV/bin/python" -m pip install --quiet . ./adapters/primerl >&2
+source compat_tests/client.sh
+install_client "$VENV" ./adapters/primerl >&2
 echo "$PWD/$VENV/bin/python"
