@@ -271,15 +271,26 @@ def _agent_sampling(api, sdk, model_dir) -> dict:
             "agent_step": [loss == loss, max_err(before, after) > 1e-4]}
 
 
+LONG = 4000
+"""`serving_batch`'s long requests' tokens."""
+
+
 def serving_batch(model_dir):
     """The routes on a vLLM sampler: each request joins the engine's running batch (short ones return while long ones
     decode), and `/pause?mode=abort` answers requests in flight with what they sampled, tokens and log-probs."""
+    import tempfile
+
     import httpx
 
     from arctic_rl_core.engines.distributed import free_loopback_port
+    from arctic_rl_core.models.tiny import make_tiny_model
     from arctic_rl_core.server.app import ServerSettings
     from arctic_rl_core.server.run import ServerThread
 
+    # The long requests must still decode when the short ones return and when the pause comes, however loaded the
+    # machine: the same tiny model with room for LONG tokens each (200, in the shared model's 256 positions, once
+    # ran out first).
+    model_dir = make_tiny_model("qwen3", tempfile.mkdtemp(prefix="arctic-rl-serving-batch-"), max_positions=LONG + 96)
     api = backend(model_dir)
     done_at, out = {}, {}
     with ServerThread(ServerSettings(port=free_loopback_port()), api.config, backend_factory=lambda config: api) as url:
@@ -290,8 +301,7 @@ def serving_batch(model_dir):
             done_at[name] = time.perf_counter()
 
         complete("warm", [5, 6, 7], 2)
-        # 4 + 200 tokens: within the tests' tiny model's 256 positions.
-        longs = [threading.Thread(target=complete, args=(f"long{i}", [5 + i, 6, 7, 8], 200)) for i in range(4)]
+        longs = [threading.Thread(target=complete, args=(f"long{i}", [5 + i, 6, 7, 8], LONG)) for i in range(4)]
         for t in longs:
             t.start()
         _wait_until(lambda: api.sampler.requests_in_flight() == 4)
@@ -314,7 +324,7 @@ def serving_batch(model_dir):
         status = httpx.get(f"{url}/v1/status", timeout=30).json()["serving"]
         gauges, counters, cache_config = engine_gauges(url)
     sampled = sum(len(answer["choices"][0]["token_ids"]) for answer in out.values())
-    return {"running_after_shorts": running_after_shorts,
+    return {"running_after_shorts": running_after_shorts, "long_tokens": LONG,
             "metrics_after": [gauges["vllm:num_requests_running"], gauges["vllm:num_requests_waiting"]],
             "metrics_generation_tokens": [counters["vllm:generation_tokens"], sampled],
             "metrics_kv_tokens": int(cache_config["num_gpu_blocks"]) * int(cache_config["block_size"]),
