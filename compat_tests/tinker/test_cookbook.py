@@ -33,12 +33,14 @@ def tiny_model(tmp_path_factory):
     return tiny_qwen3(tmp_path_factory.mktemp("model"))
 
 
-@pytest.fixture
-def server(tiny_model, tmp_path):
-    """A server per loop: the cookbook's loops leave without finishing their sessions, which hold the job's model
-    until their heartbeats stop for a minute."""
-    (tmp_path / "server").mkdir()
-    with serving_light(tiny_model, tmp_path / "server", ENGINE, "--tinker-full-parameter") as url:
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """One server for the module's loops on the job's key: each loop's model is a model of its own, from the base
+    model, and trains as it would alone (docs/tinker.md). The cookbook's loops leave without finishing their
+    sessions, which hold their models until their heartbeats stop for a minute: the 4 models the loops make fit in
+    its tenants (8)."""
+    work = tmp_path_factory.mktemp("server")
+    with serving_light(tiny_model, work, ENGINE, "--tinker-full-parameter") as url:
         yield url
 
 
@@ -127,24 +129,21 @@ def test_cookbook_supervised_loop_lowers_the_loss(server, tiny_model, tmp_path):
     assert len(nll) == 8 and nll[-1] < 0.5 * nll[0], nll
 
 
-def test_cookbook_rl_loop_starts_from_its_supervised_loops_checkpoint(tiny_model, tmp_path):
+def test_cookbook_rl_loop_starts_from_its_supervised_loops_checkpoint(server, tiny_model, tmp_path):
     """The cookbook's SFT then RL: the supervised loop saves its final state; the RL loop starts from it through
     `load_checkpoint_path` (the SDK's `create_training_client_from_state`: the weights, a fresh optimizer), both
-    unmodified, on one server that trains two models at once. The supervised rows teach tokens the RL reward does
-    not pay for (the vocabulary's upper half), so the RL loop starts below a random model's reward, which shows it
-    started from those weights, and raises it."""
-    (tmp_path / "server").mkdir()
-    with serving_light(tiny_model, tmp_path / "server", ENGINE, "--tinker-full-parameter",
-                       "--tinker-tenants", "2") as url:
-        sl_config = sl_train.Config(log_path=str(tmp_path / "sl"), model_name=tiny_model, recipe_name="arctic_rl_sft",
-                                    dataset_builder=FixedRowsBuilder(first=VOCAB_HALF + 100), learning_rate=1e-2,
-                                    lr_schedule="constant", base_url=url, eval_every=0, save_every=0, lora_rank=32)
-        asyncio.run(sl_train.main(sl_config))
-        [final] = [row for row in map(json.loads, (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines())
-                   if row.get("name") == "final"]
-        config = rl_config(url, tiny_model, tmp_path / "rl", learning_rate=2e-2)
-        config = chz.replace(config, load_checkpoint_path=final["state_path"])
-        asyncio.run(rl_train.main(config))
+    unmodified, on a server that holds the models of the loops before them too. The supervised rows teach tokens the
+    RL reward does not pay for (the vocabulary's upper half), so the RL loop starts below a random model's reward,
+    which shows it started from those weights, and raises it."""
+    sl_config = sl_train.Config(log_path=str(tmp_path / "sl"), model_name=tiny_model, recipe_name="arctic_rl_sft",
+                                dataset_builder=FixedRowsBuilder(first=VOCAB_HALF + 100), learning_rate=1e-2,
+                                lr_schedule="constant", base_url=server, eval_every=0, save_every=0, lora_rank=32)
+    asyncio.run(sl_train.main(sl_config))
+    [final] = [row for row in map(json.loads, (tmp_path / "sl" / "checkpoints.jsonl").read_text().splitlines())
+               if row.get("name") == "final"]
+    config = rl_config(server, tiny_model, tmp_path / "rl", learning_rate=2e-2)
+    config = chz.replace(config, load_checkpoint_path=final["state_path"])
+    asyncio.run(rl_train.main(config))
     rewards = rl_rewards(tmp_path / "rl")
     assert len(rewards) == 10, rewards
     assert rewards[0] < 0.3, rewards  # the supervised model's: well below a random one's (about 0.5)
