@@ -12,8 +12,8 @@ import torch
 
 from arctic_rl_core.engines.distributed import free_loopback_port
 from arctic_rl_core.errors import ArcticRLError
-from arctic_rl_core.samplers import vllm_worker
-from arctic_rl_core.samplers.vllm_worker import BucketSender, SharedSlot, join_group, receive_buckets
+from arctic_rl_core.samplers import bucket_protocol
+from arctic_rl_core.samplers.bucket_protocol import BucketSender, SharedSlot, join_group, receive_buckets
 
 
 def _weights(seed):
@@ -64,7 +64,7 @@ def _sync(groups, trainer, worker, weights, shared_memory, stop_after=None):
 
 
 def _arctic_files():
-    return sorted(f for f in os.listdir(vllm_worker._shared_memory_dir()) if f.startswith("arctic-rl-sync-"))
+    return sorted(f for f in os.listdir(bucket_protocol._shared_memory_dir()) if f.startswith("arctic-rl-sync-"))
 
 
 @pytest.mark.parametrize("shared_memory", [False, True])

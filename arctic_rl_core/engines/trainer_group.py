@@ -91,7 +91,7 @@ class TrainerRank:
 
     def join_sync_group(self, host: str, port: int, world: int, timeout_s: float, nccl: bool) -> None:
         """Rank 0 only: become rank 0 (the source) of the sampler replicas' weight-sync group."""
-        from arctic_rl_core.samplers.vllm_worker import join_group
+        from arctic_rl_core.samplers.bucket_protocol import join_group
 
         self._sync_group = None  # a previous group (before a replica was replaced) is left
         self._sync_group, self._sync_store = join_group(host, port, 0, timeout_s, is_master=True, nccl=nccl,
@@ -100,7 +100,7 @@ class TrainerRank:
     def broadcast_weights(self, bucket_bytes: int) -> int:
         """Every rank takes part in gathering full weights (ZeRO-3: bucket by bucket); rank 0 broadcasts them
         to the replicas. A failed send does not stop rank 0 gathering: the ranks stay in step."""
-        from arctic_rl_core.samplers.vllm_worker import BucketSender
+        from arctic_rl_core.samplers.bucket_protocol import BucketSender
 
         sender = BucketSender(self._sync_group, bucket_bytes, owner=self) if self.rank == 0 else None
         failure, count = None, 0

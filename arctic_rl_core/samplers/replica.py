@@ -22,7 +22,7 @@ from arctic_rl_core.ray_job import this_node
 from arctic_rl_core.config import BackendConfig
 from arctic_rl_core.locks import SharedLock
 from arctic_rl_core.samplers.stored_buckets import StoredBucket, loaded
-from arctic_rl_core.samplers.vllm_worker import join_group, receive_buckets
+from arctic_rl_core.samplers.bucket_protocol import join_group, receive_buckets
 from arctic_rl_core.types import Completion, SamplingParams
 
 

@@ -43,7 +43,7 @@ from arctic_rl_core.ray_job import node_address
 from arctic_rl_core.samplers.prefix_affinity import PrefixIndex, block_hashes
 from arctic_rl_core.samplers.stored_buckets import stored
 from arctic_rl_core.samplers.replica import SamplerReplica
-from arctic_rl_core.samplers.vllm_worker import BucketSender, join_group
+from arctic_rl_core.samplers.bucket_protocol import BucketSender, join_group
 from arctic_rl_core.types import Completion, SamplingParams
 
 log = logging.getLogger("arctic_rl.sampler_pool")

@@ -39,7 +39,7 @@ from arctic_rl_core.patches import environment
 from arctic_rl_core.samplers.vllm_plain_weights import LOAD_FORMAT as PLAIN_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_plain_weights import PACKED_LOAD_FORMAT as PACKED_WEIGHTS_LOAD_FORMAT
 from arctic_rl_core.samplers.vllm_routed_experts import rows_of, sample_record
-from arctic_rl_core.samplers.vllm_worker import (
+from arctic_rl_core.samplers.bucket_protocol import (
     BucketSender,
     join_group,
     map_shared,
