@@ -10,7 +10,7 @@ model's `load_weights`, a copy into the tensors the forward pass reads; any
 other through the worker's `reload_weights`, vLLM's layer-by-layer reload that
 redoes the post-load processing (repacking, quantization). Either takes one
 iterator over all weights, so the bucketed paths (broadcast, or shared-memory
-slots between processes) stream their buckets through one.
+slots between processes: `bucket_protocol`) stream their buckets through one.
 """
 
 from __future__ import annotations
