@@ -29,6 +29,7 @@ from arctic_rl_core.engines.rank_plan import RankPlan, plan_ranks
 from arctic_rl_core.errors import ArcticRLError
 from arctic_rl_core.models.lora_shape import AdapterLayout, AdapterShape
 from arctic_rl_core.ray_job import RayJob, node_address, this_node
+from arctic_rl_core.samplers.bucket_protocol import BucketSender, join_group
 from arctic_rl_core.samplers.stored_buckets import StoredBucket, loaded, stored
 
 
@@ -91,8 +92,6 @@ class TrainerRank:
 
     def join_sync_group(self, host: str, port: int, world: int, timeout_s: float, nccl: bool) -> None:
         """Rank 0 only: become rank 0 (the source) of the sampler replicas' weight-sync group."""
-        from arctic_rl_core.samplers.bucket_protocol import join_group
-
         self._sync_group = None  # a previous group (before a replica was replaced) is left
         self._sync_group, self._sync_store = join_group(host, port, 0, timeout_s, is_master=True, nccl=nccl,
                                                         world_size=world)
@@ -100,8 +99,6 @@ class TrainerRank:
     def broadcast_weights(self, bucket_bytes: int) -> int:
         """Every rank takes part in gathering full weights (ZeRO-3: bucket by bucket); rank 0 broadcasts them
         to the replicas. A failed send does not stop rank 0 gathering: the ranks stay in step."""
-        from arctic_rl_core.samplers.bucket_protocol import BucketSender
-
         sender = BucketSender(self._sync_group, bucket_bytes, owner=self) if self.rank == 0 else None
         failure, count = None, 0
         for name, tensor in self.engine.named_full_weights():
