@@ -16,17 +16,21 @@ set -u
 
 # The plan, in order: name|timeout in seconds|command (run by bash in the repository root). A step's result is the
 # JSON file it writes to $STEP_JSON, else the JUnit XML it writes to $STEP_XML, else the last JSON in its stdout.
-ZORRO="python3 -m arctic_rl_core.cli bench zorro --preset qwen3-0.6b --dtype bfloat16 --json"
+# One random model for every ZoRRo step (built by the first, reused by the rest: `--model-cache`).
+ZORRO="python3 -m arctic_rl_core.cli bench zorro --preset qwen3-0.6b --dtype bfloat16 --model-cache /tmp/bench-models --json"
 ATTENTION="python3 -m arctic_rl_bench.attention --json --save"
+# Issue 73's rows, the cheapest first, so that a budget cut leaves the fewest rows unmeasured.
 PLAN=(
-  "attention_tune|120|$ATTENTION --tune --prompt 8192 --response 1024"
-  "attention_bf16|90|$ATTENTION --dtype bfloat16 --backends triton cuda_flash --sweep 2048 8192 16384 32768"
+  "attention_bf16|60|$ATTENTION --dtype bfloat16 --backends triton cuda_flash --sweep 2048 8192 16384 32768"
+  'cascade|60|python3 -m arctic_rl_bench.cascade --group 8 16 32 64 --repeats 20 --json'
+  "zorro_4k_fp32_ref|150|$ZORRO --prompt-len 4096 --response-len 512 --repeats 3 --fp32-reference --profile 12"
+  "zorro_8k|100|$ZORRO --prompt-len 8192 --response-len 1024 --repeats 2"
+  "zorro_16k|120|$ZORRO --prompt-len 16384 --response-len 2048 --repeats 2"
+  "zorro_4k_g16|100|$ZORRO --prompt-len 4096 --response-len 512 --group 16 --repeats 3"
+  "zorro_32k|150|$ZORRO --prompt-len 32768 --response-len 4096 --repeats 1"
+  "zorro_fit|120|$ZORRO --largest-without-checkpointing 2048 4096 8192 16384 32768"
   'kernel_tests|150|python3 -m pytest -q -n 8 -p no:cacheprovider --junitxml="$STEP_XML" tests/test_split_attention.py tests/test_forest_flash_attention.py tests/test_cascade_decode.py tests/test_attention_backend_choice.py'
-  "zorro_4k_fp32_ref|180|$ZORRO --prompt-len 4096 --response-len 512 --repeats 2 --fp32-reference --profile 12"
-  "zorro_4k_g16|150|$ZORRO --prompt-len 4096 --response-len 512 --group 16 --repeats 2"
-  "zorro_16k|150|$ZORRO --prompt-len 16384 --response-len 2048 --repeats 2"
-  'cascade|120|python3 -m arctic_rl_bench.cascade --group 8 16 32 64 --repeats 20 --sweep --json'
-  "zorro_fit|120|$ZORRO --largest-without-checkpointing"
+  "attention_tune|120|$ATTENTION --tune --prompt 8192 --response 1024"
   "attention_fp32|60|$ATTENTION --dtype float32 --backends cuda_flash math --sweep 2048 8192"
   'doctor|30|python3 -m arctic_rl_core.cli doctor --json'
 )

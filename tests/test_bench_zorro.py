@@ -117,3 +117,23 @@ def test_bench_zorro_measures_both_16_bit_modes_against_fp32_and_profiles_them()
         ops = result["profile"][mode]
         assert len(ops) == 3 and ops[0]["ms"] >= ops[1]["ms"] >= ops[2]["ms"] > 0 and ops[0]["calls"] >= 1
         assert all(op["op"] and 0 < op["share"] <= 1 for op in ops)
+
+
+def test_bench_zorro_builds_the_model_once_into_its_cache_and_reuses_it(tmp_path):
+    """`--model-cache DIR`: the first run builds the random model there (nothing half-written left beside it), the
+    next run of the same shape loads that one instead of building another, and reports where its time went."""
+    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
+    cmd = [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "24", "--response-len", "8",
+           "--group", "2", "--repeats", "1", "--model-cache", str(tmp_path), "--json"]
+    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    [model] = os.listdir(tmp_path)
+    assert os.path.exists(tmp_path / model / "config.json")
+    (tmp_path / model / "marker").write_text("built by the first run")
+    second = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    assert sorted(os.listdir(tmp_path)) == [model] and (tmp_path / model / "marker").exists()
+    for result in (first, second):
+        assert result["logprob_max_abs_err"] < 1e-4 and result["grad_rel_err"] < 1e-4
+        seconds = result["seconds"]
+        for mode in ("naive", "zorro"):
+            assert 0 < seconds[mode]["setup"] < seconds[mode]["worker"]
+    assert first["seconds"]["model"] > 0

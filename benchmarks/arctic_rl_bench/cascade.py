@@ -40,6 +40,29 @@ def known_bandwidth(device_name: str) -> float | None:
     return next((gbs for key, gbs in BANDWIDTH_GBS.items() if key in device_name), None)
 
 
+def copy_bandwidth_gbs(size_bytes: int = 2**32, repeats: int = 10) -> float:
+    """The device's memory bandwidth as a device-to-device copy achieves it (bytes read plus written over the median
+    copy's time, by CUDA events): the ceiling a read-bound kernel can reach here, beside the datasheet's figure."""
+    import statistics
+
+    import torch
+
+    src = torch.empty(size_bytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return size_bytes / statistics.median(times) / 1e9
+
+
 def error_line(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
@@ -279,6 +302,7 @@ def main(args) -> int:
         "note": "; ".join(notes) or None,
         "shape": spec,
         "bandwidth_gbs": bandwidth,
+        "copy_gbs": None if args.interpret_smoke else copy_bandwidth_gbs(),
         "results": results,
     }
     if args.sweep:
@@ -291,6 +315,8 @@ def main(args) -> int:
     print(f"{name}: prompt {spec['prompt_len']}, suffix {spec['suffix_len']}, heads {spec['heads']}/{spec['kv_heads']}, "
           f"head dim {spec['head_dim']}, {spec['dtype']}, one layer's decode-step attention (median of {spec['repeats']}); "
           f"graph: device time (CUDA graph replays), eager: one call from an idle device, host work included")
+    if result["copy_gbs"]:
+        print(f"read bound at {bandwidth:.0f} GB/s; a device-to-device copy here moves {result['copy_gbs']:.0f} GB/s")
     for r in results:
         for variant in ("cascade", "unshared"):
             x = r[variant]

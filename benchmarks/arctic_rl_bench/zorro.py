@@ -17,20 +17,26 @@ docs/benchmarks.md); long sequences want `--gradient-checkpointing` and a `--mic
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
+import time
 import typing
 
 from arctic_rl_bench.zorro_memory import longest
 from arctic_rl_core.config import ZorroConfig
 
 SEED = 1234
+PRESET_POSITIONS = 40960
+"""Qwen3-0.6B's own max_position_embeddings: the preset's model is built with it (longer batches extend it), so
+every preset run up to that length can share one model (`--model-cache`)."""
 SPEC = ("family", "preset", "layers", "hidden", "heads", "kv_heads", "prompt_len", "response_len", "turns", "group", "groups",
         "dtype", "attention_backend", "baseline", "micro_batch_tokens", "gradient_checkpointing", "repeats", "threads",
-        "fit_lengths", "fp32_reference", "profile")
+        "fit_lengths", "fp32_reference", "profile", "model_cache")
 
 
 def build_batch(prompt_len: int, response_len: int, group: int, groups: int, vocab: int):
@@ -98,7 +104,9 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
     from arctic_rl_bench.measure import current_rss_mb, median_seconds, peak_rss_mb
 
     torch.set_num_threads(args["threads"] or torch.get_num_threads())
+    started = time.perf_counter()
     backend = _backend(mode, args, args["gradient_checkpointing"] == "on", args["micro_batch_tokens"])
+    setup_s = time.perf_counter() - started
     vocab = backend.engine.vocab_size
     seqs = (build_batch(args["prompt_len"], args["response_len"], args["group"], args["groups"], vocab) if args["turns"] == 1
             else build_episodes(args["prompt_len"], args["response_len"], args["turns"], args["group"], args["groups"], vocab))
@@ -126,16 +134,15 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
             torch.cuda.synchronize()
 
     def log_probs():
-        out = backend.log_probs(seqs)
+        computed["logprobs"] = backend.log_probs(seqs).logprobs
         if cuda:
             torch.cuda.synchronize()
-        return out
 
     # log_probs first: its peak is lower, and on CPU peak RSS never goes down.
     start = mem_start()
     lp_s, lp_all = median_seconds(log_probs, args["repeats"])
     lp_mem = mem_peak(start)
-    logprobs = log_probs().logprobs
+    logprobs = computed["logprobs"]  # the last timed call's
     start = mem_start()
     fb_s, fb_all = median_seconds(fwd_bwd, args["repeats"])
     fb_mem = mem_peak(start)
@@ -144,7 +151,7 @@ def worker(mode: str, args: dict, out_dir: str) -> dict:
     grads = {n: p.grad.detach().float().cpu().contiguous() for n, p in module.named_parameters() if p.grad is not None}
     grads["__logprobs__"] = torch.tensor([x for row in logprobs for x in row])
     save_file(grads, os.path.join(out_dir, f"{args.get('save_as', mode)}.safetensors"))
-    return {"computed_tokens": computed["tokens"], "fwd_bwd_s": fb_s, "fwd_bwd_all_s": fb_all, "fwd_bwd_peak_mb": fb_mem,
+    return {"setup_s": setup_s, "computed_tokens": computed["tokens"], "fwd_bwd_s": fb_s, "fwd_bwd_all_s": fb_all, "fwd_bwd_peak_mb": fb_mem,
             "log_probs_s": lp_s, "log_probs_all_s": lp_all, "log_probs_peak_mb": lp_mem,
             "profile": profile_ops(fwd_bwd, args.get("profile") or 0, cuda)}
 
@@ -208,6 +215,25 @@ def _parameters(config) -> int:
     return layers + embeddings
 
 
+def model_dir(family: str, size: dict, positions: int, folder: str) -> str:
+    """The random model of this family, size and length in `folder`: built there once and then reused (its weights
+    are the same for the same arguments: `make_tiny_model` seeds them). Built under a temporary name and renamed
+    into place, so a run stopped half way leaves no half-written model to reuse."""
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    key = hashlib.sha256(json.dumps([family, size, positions], sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(folder, f"{family}-{key}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        os.makedirs(folder, exist_ok=True)
+        building = tempfile.mkdtemp(prefix=f".{family}-{key}-", dir=folder)
+        make_tiny_model(family, building, max_positions=positions, **size)
+        try:
+            os.replace(building, path)
+        except OSError:  # another run put the same model there first
+            shutil.rmtree(building, ignore_errors=True)
+    return path
+
+
 def run(args: dict) -> dict:
     import torch
     from safetensors.torch import load_file
@@ -215,7 +241,7 @@ def run(args: dict) -> dict:
 
     from arctic_rl_bench import zorro_memory
     from arctic_rl_bench.measure import run_worker
-    from arctic_rl_core.models.tiny import QWEN3_0_6B, make_tiny_model
+    from arctic_rl_core.models.tiny import QWEN3_0_6B
     from arctic_rl_core.zorro.cost import Shape, theoretical_speedup
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -223,7 +249,11 @@ def run(args: dict) -> dict:
         size = QWEN3_0_6B if args["preset"] == "qwen3-0.6b" else {k: args[k] for k in ("layers", "hidden", "heads", "kv_heads")}
         args.update({k: size[k] for k in ("layers", "hidden", "heads", "kv_heads")})  # the shape reported is the one run
         positions = max([longest(args)] + [p + p // 8 for p in args["fit_lengths"] or []])
-        args["model_dir"] = make_tiny_model(args["family"], os.path.join(tmp, "model"), max_positions=positions, **size)
+        if args["preset"] == "qwen3-0.6b":
+            positions = max(positions, PRESET_POSITIONS)
+        started = time.perf_counter()
+        args["model_dir"] = model_dir(args["family"], size, positions, args["model_cache"] or tmp)
+        model_s = time.perf_counter() - started
         config = AutoConfig.from_pretrained(args["model_dir"])
         reference_args = {**args, "dtype": "float32", "repeats": 1, "save_as": "reference"}
 
@@ -236,21 +266,25 @@ def run(args: dict) -> dict:
                             micro_batch_tokens=chosen["micro_batch_tokens"])
             return chosen
 
+        def timed_worker(mode: str, run_args: dict) -> dict:
+            started = time.perf_counter()
+            result = run_worker("arctic_rl_bench.zorro", mode, json.dumps(run_args), tmp)
+            return {**result, "worker_s": time.perf_counter() - started}
+
         memory = planned(args)
         if args["fit_lengths"]:
             if not torch.cuda.is_available():
                 raise SystemExit("--largest-without-checkpointing measures a GPU's memory: it needs CUDA")
             return {"benchmark": "zorro largest prompt without checkpointing", "shape": {k: args[k] for k in SPEC},
                     "device": torch.cuda.get_device_name(0),
-                    "modes": {mode: run_worker("arctic_rl_bench.zorro", f"fit:{mode}", json.dumps(args), tmp)
-                              for mode in ("naive", "zorro")}}
-        results = {mode: run_worker("arctic_rl_bench.zorro", mode, json.dumps(args), tmp) for mode in ("naive", "zorro")}
+                    "model_s": model_s, "modes": {mode: timed_worker(f"fit:{mode}", args) for mode in ("naive", "zorro")}}
+        results = {mode: timed_worker(mode, args) for mode in ("naive", "zorro")}
         naive, zorro = load_file(os.path.join(tmp, "naive.safetensors")), load_file(os.path.join(tmp, "zorro.safetensors"))
         reference = None
         if args["fp32_reference"] and args["dtype"] != "float32":
             # ZoRRo in fp32 (exact to the model's own fp32 forward): how far each 16-bit mode's gradients are from it.
             planned(reference_args)
-            run_worker("arctic_rl_bench.zorro", "zorro", json.dumps(reference_args), tmp)
+            results["reference"] = timed_worker("zorro", reference_args)
             reference = load_file(os.path.join(tmp, "reference.safetensors"))
     lp_n, lp_z = naive.pop("__logprobs__"), zorro.pop("__logprobs__")
     g_n = torch.cat([naive[k].flatten() for k in sorted(naive)])
@@ -293,6 +327,9 @@ def run(args: dict) -> dict:
             "peak_mem_zorro_mb": z["log_probs_peak_mb"],
         },
         "profile": {"naive": n["profile"], "zorro": z["profile"]} if args["profile"] else None,
+        # Where the bench's own time went: building the model (none when --model-cache had it), and per worker
+        # process its wall time and the backend's construction within it.
+        "seconds": {"model": model_s, **{mode: {"worker": r["worker_s"], "setup": r["setup_s"]} for mode, r in results.items()}},
         "raw_s": {"naive": {"fwd_bwd": n["fwd_bwd_all_s"], "log_probs": n["log_probs_all_s"]},
                   "zorro": {"fwd_bwd": z["fwd_bwd_all_s"], "log_probs": z["log_probs_all_s"]}},
     }
@@ -328,6 +365,9 @@ def add_arguments(p) -> None:
                    help="profile one more fwd_bwd of each mode and report its N costliest operators")
     p.add_argument("--fp32-reference", action="store_true",
                    help="with a 16-bit --dtype: also run ZoRRo in fp32 and report both modes' distance from it")
+    p.add_argument("--model-cache", default=None, metavar="DIR",
+                   help="build the random model into DIR once and reuse it in later runs of the same shape (default: "
+                        "a temporary folder, built each run)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", action="store_true")
 
