@@ -137,3 +137,9 @@ def test_bench_zorro_builds_the_model_once_into_its_cache_and_reuses_it(tmp_path
         for mode in ("naive", "zorro"):
             assert 0 < seconds[mode]["setup"] < seconds[mode]["worker"]
     assert first["seconds"]["model"] > 0
+
+    # A cache that is a file is refused by the flag's name, before anything is built or written.
+    (tmp_path / "file").write_text("")
+    refused = subprocess.run(cmd[:-3] + ["--model-cache", str(tmp_path / "file"), "--json"], capture_output=True, text=True)
+    assert refused.returncode != 0 and "--model-cache" in refused.stderr and "not a folder" in refused.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted([model, "file"]) and (tmp_path / "file").read_text() == ""

@@ -302,7 +302,7 @@ def run(args: dict) -> dict:
     n, z = results["naive"], results["zorro"]
     return {
         "benchmark": "zorro",
-        "shape": {k: args[k] for k in SPEC if k not in ("repeats", "threads", "fit_lengths")},
+        "shape": {k: args[k] for k in SPEC if k not in ("repeats", "threads", "fit_lengths", "model_cache")},
         "memory_plan": memory,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu x{torch.get_num_threads()} threads",
         "repeats": args["repeats"],
@@ -378,6 +378,8 @@ def main(args) -> int:
         spec["family"] = "qwen3"
     if spec["fit_lengths"] == []:
         spec["fit_lengths"] = [1024 * 2**i for i in range(6)]
+    if spec["model_cache"] and os.path.exists(spec["model_cache"]) and not os.path.isdir(spec["model_cache"]):
+        raise SystemExit(f"--model-cache {spec['model_cache']}: not a folder")
     for name in ("prompt_len", "response_len", "turns", "group", "groups", "layers", "hidden", "repeats", "micro_batch_tokens"):
         if spec[name] is not None and spec[name] < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
