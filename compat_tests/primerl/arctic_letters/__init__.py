@@ -10,7 +10,7 @@ script that downloads its dependencies).
 
 from __future__ import annotations
 
-from openai import AsyncOpenAI
+from arctic_calc_harness import openai_client
 from verifiers.v1.configs.harness import HarnessConfig
 from verifiers.v1.harness import Harness
 from verifiers.v1.runtimes import ProgramResult
@@ -46,8 +46,7 @@ class OneTurnHarness(Harness[HarnessConfig]):
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data):
         system, prompt = self.resolve_prompt(data)
         messages = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-            await client.chat.completions.create(model=ctx.model, messages=messages)
+        await openai_client(endpoint, secret).chat.completions.create(model=ctx.model, messages=messages)
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
 
