@@ -239,6 +239,11 @@ def test_serve_command_line(tiny_model, tmp_path):
         client, status = answering(proc, port)
         assert status["config"]["engine"]["zero_stage"] == 1
         assert len(client.generate([[5, 6]], {"max_tokens": 3})) == 1
+        # A second server on the port held is refused before it loads its job, naming the flag.
+        taken = subprocess.run([cli, "serve", "--port", str(port), "--config", str(config)], env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert taken.returncode != 0 and f"--port {port}: 127.0.0.1:{port} cannot be bound" in taken.stderr, taken
+        assert "serving on" not in taken.stdout and "Loading" not in taken.stderr, taken
         client.shutdown()
         assert proc.wait(timeout=30) == 0
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -133,6 +134,8 @@ def main(args) -> int:
                               served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
                               tinker_full_parameter=args.tinker_full_parameter, tinker_tenants=args.tinker_tenants,
                               tinker_keys=tinker_keys(args.tinker_keys))
+    check_bind(settings.host, settings.token)
+    listener = _bound(settings.host, settings.port)
     server = build_server(settings, config, _server_process_backend)
     print(f"Arctic RL serving on http://{args.host}:{args.port} (job {'loaded' if config else 'not initialized'}; "
           f"checkpoints under {settings.checkpoint_root()})", flush=True)
@@ -143,7 +146,7 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, _stop)
     stopped_by = None
     try:
-        server.run()
+        server.run(sockets=[listener])
     except _Stopped as stopped:
         stopped_by = stopped.signum
     finally:
@@ -152,6 +155,20 @@ def main(args) -> int:
         signal.signal(stopped_by, signal.SIG_DFL)
         signal.raise_signal(stopped_by)
     return 0
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """The server's address, bound before its job loads (a minute or more): a port in use is refused at once, not
+    after the load, and nothing started meanwhile (the job's engine core and Ray take ports the kernel picks) can
+    take it. Connections are refused until the server listens, once the job has loaded."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise SystemExit(f"--port {port}: {host}:{port} cannot be bound ({err.strerror})") from None
+    return sock
 
 
 class _Stopped(BaseException):
