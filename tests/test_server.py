@@ -12,7 +12,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-from safetensors.numpy import save
 
 from arctic_rl_core import wire
 from arctic_rl_core.backend import InProcessBackend
