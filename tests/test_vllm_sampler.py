@@ -64,6 +64,27 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
         assert "linear layers keep their checkpoint-layout weights (_cpu_skip_gemm_dispatch)" in patches
         packs = "linear layers and LM head multiply with oneDNN packs built from their kept weights (cpu_linear)"
         assert (packs in patches) == (layout == "packed")
+        # vLLM's sampler counts the ranks of what it returns log-probs for without compiling a kernel
+        assert patches["vllm.v1.sample.sampler.batched_count_greater_than"] == 1
+
+
+def test_the_eager_rank_count_is_vllms_own_expression():
+    """`vllm_eager_ranks`: the count vLLM's sampler compiles, as its own Python function computes it (ties and
+    -inf included), for one row and for many."""
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    from arctic_rl_core.samplers.vllm_eager_ranks import count_at_least
+
+    vllms = batched_count_greater_than._torchdynamo_orig_callable
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 5):
+        logprobs = torch.randn(rows, 64, generator=generator).log_softmax(-1).round(decimals=1)
+        logprobs[:, 3] = float("-inf")
+        picked = logprobs.gather(-1, torch.randint(0, 64, (rows, 1), generator=generator))
+        picked[0, 0] = float("-inf")  # a token the sampler's masks ruled out: every position counts
+        assert torch.equal(count_at_least(logprobs, picked), vllms(logprobs, picked))
+        assert count_at_least(logprobs, picked)[0] == 64
 
 
 @pytest.mark.scenario

@@ -35,6 +35,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from arctic_rl_core.patches import InstancePatch
+from arctic_rl_core.samplers.vllm_eager_ranks import use_eager_ranks
 
 LOAD_FORMAT = "arctic_rl_plain_cpu_weights"
 PACKED_LOAD_FORMAT = "arctic_rl_packed_cpu_weights"
@@ -134,6 +135,7 @@ class PlainCpuWeightsLoader(DefaultModelLoader):
         super().load_weights(model, model_config)
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
+        use_eager_ranks()  # this engine's process samples on CPU
         model = super().load_model(vllm_config, model_config, prefix)
         if not _plain(model_config):
             return model
