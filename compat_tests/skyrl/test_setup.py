@@ -123,15 +123,16 @@ def test_the_critics_checkpoint_resumes_the_job_and_the_critics_schedule(server,
     assert 0 < continued[1] < cfg.trainer.critic.optimizer_config.lr  # mid warm-up: the critic's schedule resumed
 
 
-def test_the_experiments_prompt_data_sets_filter_in_at_most_the_drivers_cores(server, tiny_model, tmp_path,
-                                                                               monkeypatch):
+def test_the_experiments_prompt_data_sets_filter_in_the_processes_their_prompts_pay_for(server, tiny_model, tmp_path,
+                                                                                         monkeypatch):
     """SkyRL's main_base builds each prompt data set with 8 filtering processes, each a new interpreter (75 CPU s
-    on a 2-core machine): the adapter's experiment asks at most the driver's cores, and leaves main_base as it was."""
+    on a 2-core machine) whatever the data: the adapter's experiment asks at most the driver's cores and one per
+    50,000 prompts counted in local files, and leaves main_base as it was."""
     import pandas as pd
     import skyrl.train.entrypoints.main_base as main_base
     from skyrl.train.config import SkyRLTrainConfig
 
-    from arctic_rl_skyrl.trainer import ArcticPPOExp
+    from arctic_rl_skyrl.trainer import ArcticPPOExp, filter_processes
 
     data = str(tmp_path / "prompts.parquet")
     pd.DataFrame([{"data_source": "arctic_toy", "prompt": [{"role": "user", "content": f"what is {i} plus 3?"}],
@@ -142,8 +143,18 @@ def test_the_experiments_prompt_data_sets_filter_in_at_most_the_drivers_cores(se
                                                    "trainer.train_batch_size=2"))
     cfg = SkyRLTrainConfig.from_cli_overrides(skyrl_overrides)
     built = main_base.PromptDataset
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # a 1-core driver: it filters in its own process
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))  # an 8-core driver, four prompts
     experiment = ArcticPPOExp(cfg, client=None)
     assert experiment.train_dataset.num_workers == experiment.eval_dataset.num_workers == 1
     assert len(experiment.train_dataset) == 4
     assert main_base.PromptDataset is built
+
+    # 150,000 prompts in a Parquet file (counted from its footer): three processes on 8 cores; one more prompt in
+    # JSON lines: four. A Hub data set, of a size unknown until read: the driver's cores, SkyRL's 8 at most.
+    many = str(tmp_path / "many.parquet")
+    pd.DataFrame({"prompt": ["x"] * 150_000}).to_parquet(many)
+    (tmp_path / "one.jsonl").write_text('{"prompt": "x"}\n\n')
+    assert filter_processes(many, 8) == 3 and filter_processes([many, str(tmp_path / "one.jsonl")], 8) == 4
+    assert filter_processes(many, 2) == 2 and filter_processes("openai/gsm8k", 16) == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert filter_processes(many, 8) == 2 and filter_processes("openai/gsm8k", 8) == 2
