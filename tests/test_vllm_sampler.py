@@ -53,6 +53,8 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
     assert len(result["engine_processes"]) == (1 if placement == "subprocess" else 0), result["engine_processes"]
     assert result["processes_after_close"] == []
     assert result["shared_memory_files_after_close"] == []
+    # vLLM's shutdown thaws the heap its engine froze, and the loader earlier (vllm_plain_weights)
+    assert result["frozen_after_close"] == 0
     if placement == "in_process":
         # plain: multiplied with F.linear on the tensors that syncs overwrite; packed: vLLM's oneDNN kernels on
         # packs of those tensors (the synced log-probs above show the packs were rebuilt)
@@ -66,6 +68,17 @@ def test_weights_arrive_on_every_sync_path(tiny_model, sync, placement, layout, 
         assert (packs in patches) == (layout == "packed")
         # vLLM's sampler counts the ranks of what it returns log-probs for without compiling a kernel
         assert patches["vllm.v1.sample.sampler.batched_count_greater_than"] == 1
+
+
+def test_an_engine_that_fails_to_start_leaves_no_heap_frozen(tmp_path):
+    """Our CPU loaders freeze the heap as they load (vLLM's shutdown thaws it); an engine refused after loading, here
+    for a KV cache that holds no whole sequence, is never shut down: the heap is thawed all the same."""
+    from arctic_rl_core.models.tiny import make_tiny_model
+
+    model = make_tiny_model("qwen3", str(tmp_path / "model"), layers=8, hidden=256, heads=8, kv_heads=8)
+    result = run_scenario("failed_start", model)
+    assert "KV cache" in result["error"], result
+    assert result["frozen"] == 0
 
 
 def test_the_eager_rank_count_is_vllms_own_expression():

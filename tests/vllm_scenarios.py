@@ -129,7 +129,25 @@ def sync(model_dir, sync_path, placement, layout):
     result["engine_processes"] = sorted(engine.values())
     result["shared_memory_files_after_close"] = sorted(shared_files() - others)
     result["processes_after_close"] = sorted(name for p, name in engine.items() if running(p))
+    import gc
+
+    result["frozen_after_close"] = gc.get_freeze_count()
     return result
+
+
+def failed_start(model_dir):
+    """A job whose KV cache cannot hold one sequence: vLLM refuses it after loading the model."""
+    import gc
+
+    from arctic_rl_core.backend import InProcessBackend
+
+    try:
+        InProcessBackend({"model_path": model_dir, "sampler": {"name": "vllm", "kv_cache_mb": 16,
+                                                               "max_model_len": 2048}})
+        error = None
+    except Exception as e:
+        error = str(e)
+    return {"error": error, "frozen": gc.get_freeze_count()}
 
 
 def concurrent(model_dir):
@@ -1213,6 +1231,6 @@ if __name__ == "__main__":
               "serving_batch": serving_batch, "crossing": crossing, "streaming": streaming,
               "rope_scaling": rope_scaling, "adapters": adapters,
               "cancelled": cancelled, "constrained": constrained, "snapshots": snapshots,
-              "r3": r3, "r3_families": r3_families}[scenario](model_dir, *rest)
+              "r3": r3, "r3_families": r3_families, "failed_start": failed_start}[scenario](model_dir, *rest)
     print("RESULT " + json.dumps(result), flush=True)
     exit_now(0)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 
 import torch
 from vllm.model_executor.layers.linear import LinearBase
@@ -136,6 +137,10 @@ class PlainCpuWeightsLoader(DefaultModelLoader):
 
     def load_model(self, vllm_config, model_config, prefix: str = "") -> torch.nn.Module:
         use_eager_ranks()  # this engine's process samples on CPU
+        # vLLM freezes the heap its engine starts with (EngineCore.__init__) and unfreezes it at the engine's shutdown.
+        # Before that, its full collections (after loading, after the profiling run, before freezing) each traverse
+        # every object this process's imports made. Frozen from here, they traverse only what the engine adds.
+        gc.freeze()
         model = super().load_model(vllm_config, model_config, prefix)
         if not _plain(model_config):
             return model

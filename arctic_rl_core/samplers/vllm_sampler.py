@@ -10,6 +10,7 @@ which is what the trainer computes with the `apply_temperature` post-processor.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -163,9 +164,15 @@ class VLLMSampler(Sampler):
         )
 
         def build():
-            with _engine_in_this_process(sc.placement == "in_process"), \
-                    forest_cascade.enabled(self.cuda) if cascade else nullcontext():
-                return LLM(**engine_args)
+            try:
+                with _engine_in_this_process(sc.placement == "in_process"), \
+                        forest_cascade.enabled(self.cuda) if cascade else nullcontext():
+                    return LLM(**engine_args)
+            except BaseException:
+                # An engine that fails to start is never shut down: thaw the heap our CPU loaders froze
+                # (vllm_plain_weights), as its shutdown would have.
+                gc.unfreeze()
+                raise
 
         self._loop = EngineLoop(build)
         # Held (shared) by work that must see one weight version from start to end (scoring, a generate call
@@ -524,9 +531,12 @@ class VLLMSampler(Sampler):
         self._loop.close()
         # An engine core in a process of its own stops now, not when this process exits (and not at all where a
         # signal ends it). One in this process is left as it is: its shutdown tears down torch.distributed, which
-        # the trainer's engine holds.
+        # the trainer's engine holds. Its heap is thawed as that shutdown would (vLLM froze it as the engine
+        # started): the closed engine's objects can then be collected.
         if self.config.placement == "subprocess":
             self.llm.llm_engine.engine_core.shutdown()
+        else:
+            gc.unfreeze()
         release_shared_slots(self)
         if self._remove_sync_dir is not None:
             self._remove_sync_dir()
