@@ -3,10 +3,13 @@ framework's own environment. Both sides load the tiny model from the same folder
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -29,9 +32,28 @@ def main_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
 
 
+BUILT_MODELS = Path(__file__).resolve().parent.parent / ".cache" / "compat-tiny-models"
+"""Each tiny model the suites ask for, built once per checkout and builder (`make-tiny-model`'s arguments and
+arctic_rl_core/models/tiny.py): several suites and both lanes ask for the same ones, each build a new interpreter
+importing torch and transformers (about 3 CPU s)."""
+
+
 def make_tiny_model(path: str, *args: str) -> str:
-    subprocess.run([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "make-tiny-model", *args, path], check=True,
-                   capture_output=True, env=main_env())
+    """`arctic-rl make-tiny-model ARGS PATH`: a copy of the one built for these arguments, built if none is."""
+    builder = BUILT_MODELS.parent.parent / "arctic_rl_core" / "models" / "tiny.py"
+    key = hashlib.sha256(json.dumps([args, builder.read_text()]).encode()).hexdigest()[:16]
+    built = BUILT_MODELS / key
+    if not built.is_dir():
+        BUILT_MODELS.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=BUILT_MODELS))
+        subprocess.run([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "make-tiny-model", *args, str(building / "model")],
+                       check=True, capture_output=True, env=main_env())
+        try:
+            (building / "model").rename(built)
+        except OSError:  # the other lane built it meanwhile: the same model
+            pass
+        shutil.rmtree(building, ignore_errors=True)
+    shutil.copytree(built, path)
     return path
 
 
