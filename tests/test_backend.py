@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from arctic_rl_core.errors import InvalidRequest, UnknownName
+from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.types import LossSpec, SamplingParams, Sequence
 from tests.helpers import grpo_batch, sampled_distribution_logprobs
 

@@ -5,7 +5,6 @@ import errno
 import os
 import threading
 import types
-from datetime import timedelta
 
 import pytest
 import torch

@@ -3,8 +3,6 @@ while the sampler is busy; a refused batch is retried request by request."""
 
 import asyncio
 
-import pytest
-
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_core.serving.coalesce import Coalescer
 from arctic_rl_core.types import Completion, SamplingParams
