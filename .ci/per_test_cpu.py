@@ -5,8 +5,10 @@
 
 Before each test its pytest process moves into a cgroup (v2) of its own, so whatever it starts (servers, Ray's
 daemons and actors, engine cores, framework runs) is counted there, those that outlive the test included. A module
-fixture's processes count in the first test that used them. Needs a writable cgroup v2 mount (root on CI's VMs;
-PER_TEST_CPU_ROOT, default /sys/fs/cgroup/unified or /sys/fs/cgroup). Read the report once the run has ended.
+fixture's processes count in the first test that used them, and so do the processes that a pytest process's
+preimported interpreter forks for later tests (tests/preimported.py: scenarios, servers, command lines). Needs a
+writable cgroup v2 mount (root on CI's VMs; PER_TEST_CPU_ROOT, default /sys/fs/cgroup/unified or /sys/fs/cgroup).
+Read the report once the run has ended.
 """
 
 from __future__ import annotations
