@@ -3,16 +3,15 @@ replay on leaves no route flipped and the sampled tokens' log-prob gap no larger
 routing; the runs log every step."""
 
 import json
-import os
-import subprocess
-import sys
+
+from tests.preimported import arctic_rl
 
 
 def test_bench_replay_reports_flips_gaps_curves_and_cost(tmp_path):
-    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
     plot = tmp_path / "replay.png"
-    out = subprocess.run([cli, "bench", "replay", "--steps", "2", "--prompts", "2", "--group", "4", "--max-tokens", "12",
-                          "--plot", str(plot), "--json"], capture_output=True, text=True, check=True)
+    out = arctic_rl("bench", "replay", "--steps", "2", "--prompts", "2", "--group", "4", "--max-tokens", "12",
+                    "--plot", str(plot), "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     moe, dense = result["mismatch"]["moe"], result["mismatch"]["dense"]
     assert moe["flipped_on"] == 0.0 and 0 < moe["flipped_off"] < 1  # near-tied routers flip some routes in bf16

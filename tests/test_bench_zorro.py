@@ -2,20 +2,22 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from tests.preimported import arctic_rl
+
+
+def bench_zorro(*args: str) -> dict:
+    """`arctic-rl bench zorro ARGS`: its JSON line."""
+    proc = arctic_rl("bench", "zorro", *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 
 def test_bench_zorro_reports_parity_and_fields():
-    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
-    out = subprocess.run(
-        [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "48", "--response-len", "8",
-         "--group", "4", "--groups", "2", "--repeats", "1", "--json"],
-        capture_output=True, text=True, check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = bench_zorro("--layers", "1", "--hidden", "64", "--prompt-len", "48", "--response-len", "8",
+                         "--group", "4", "--groups", "2", "--repeats", "1", "--json")
     common = ("naive_s", "zorro_s", "speedup", "theory", "logprob_max_abs_err", "peak_mem_naive_mb", "peak_mem_zorro_mb")
     assert set(common) | {"grad_rel_err"} <= set(result)
     assert set(common) <= set(result["log_probs"])
@@ -26,13 +28,8 @@ def test_bench_zorro_reports_parity_and_fields():
 
 
 def test_bench_zorro_multi_turn_episodes_share_the_prompt_and_each_episodes_history():
-    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
-    out = subprocess.run(
-        [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "16", "--response-len", "8",
-         "--turns", "3", "--group", "2", "--groups", "1", "--repeats", "1", "--json"],
-        capture_output=True, text=True, check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = bench_zorro("--layers", "1", "--hidden", "64", "--prompt-len", "16", "--response-len", "8",
+                         "--turns", "3", "--group", "2", "--groups", "1", "--repeats", "1", "--json")
     # Turn k's prompt: the first prompt, then k x (8 response + 4 reply) tokens. Unshared: 6 rows padded to the
     # longest turn (16 + 2 x 12 + 8 = 48); shared: the prompt once, then each episode's 3 responses and 2 replies.
     assert result["tokens_naive"] == 6 * 48 and result["tokens_zorro"] == 16 + 2 * (3 * 8 + 2 * 4)
@@ -44,14 +41,10 @@ def test_bench_zorro_multi_turn_episodes_share_the_prompt_and_each_episodes_hist
 def test_bench_zorro_against_the_packed_baseline_with_checkpointing_and_a_token_budget():
     """The long-prompt rows' options on a small shape: both modes on one set of ZoRRo kernels, the baseline packed
     unshared, activations checkpointed, each group across micro-batches of a token budget."""
-    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
-    out = subprocess.run(
-        [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "24", "--response-len", "6",
-         "--group", "3", "--groups", "1", "--repeats", "1", "--baseline", "packed", "--attention-backend", "math",
-         "--gradient-checkpointing", "--micro-batch-tokens", "40", "--json"],
-        capture_output=True, text=True, check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = bench_zorro("--layers", "1", "--hidden", "64", "--prompt-len", "24", "--response-len", "6",
+                         "--group", "3", "--groups", "1", "--repeats", "1", "--baseline", "packed",
+                         "--attention-backend", "math",
+                         "--gradient-checkpointing", "--micro-batch-tokens", "40", "--json")
     assert result["shape"]["baseline"] == "packed" and result["shape"]["attention_backend"] == "math"
     # Unshared: 3 whole sequences of 30, one per micro-batch. Shared under a 40-token budget: the prompt and one
     # response (30), then the prompt again with the next response... at most 40 packed tokens each: 24+6+6, 24+6.
@@ -103,13 +96,9 @@ def test_bench_zorro_measures_both_16_bit_modes_against_fp32_and_profiles_them()
     """`--fp32-reference`: ZoRRo run again in fp32, and each bf16 mode's gradients and log-probs measured against
     it (bf16 rounding: about 1e-2 relative, not the 1e-4 of fp32 parity). `--profile 3`: each mode's three
     costliest operators, by their own time."""
-    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
-    out = subprocess.run(
-        [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "48", "--response-len", "8",
-         "--group", "4", "--repeats", "1", "--dtype", "bfloat16", "--fp32-reference", "--profile", "3", "--json"],
-        capture_output=True, text=True, check=True,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = bench_zorro("--layers", "1", "--hidden", "64", "--prompt-len", "48", "--response-len", "8",
+                         "--group", "4", "--repeats", "1", "--dtype", "bfloat16", "--fp32-reference", "--profile", "3",
+                         "--json")
     against = result["fp32_reference"]
     assert result["shape"]["dtype"] == "bfloat16" and result["shape"]["fp32_reference"] is True
     for mode in ("naive", "zorro"):
@@ -122,14 +111,13 @@ def test_bench_zorro_measures_both_16_bit_modes_against_fp32_and_profiles_them()
 def test_bench_zorro_builds_the_model_once_into_its_cache_and_reuses_it(tmp_path):
     """`--model-cache DIR`: the first run builds the random model there (nothing half-written left beside it), the
     next run of the same shape loads that one instead of building another, and reports where its time went."""
-    cli = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
-    cmd = [cli, "bench", "zorro", "--layers", "1", "--hidden", "64", "--prompt-len", "24", "--response-len", "8",
-           "--group", "2", "--repeats", "1", "--model-cache", str(tmp_path), "--json"]
-    first = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    args = ["--layers", "1", "--hidden", "64", "--prompt-len", "24", "--response-len", "8",
+            "--group", "2", "--repeats", "1", "--model-cache", str(tmp_path), "--json"]
+    first = bench_zorro(*args)
     [model] = os.listdir(tmp_path)
     assert os.path.exists(tmp_path / model / "config.json")
     (tmp_path / model / "marker").write_text("built by the first run")
-    second = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+    second = bench_zorro(*args)
     assert sorted(os.listdir(tmp_path)) == [model] and (tmp_path / model / "marker").exists()
     for result in (first, second):
         assert result["logprob_max_abs_err"] < 1e-4 and result["grad_rel_err"] < 1e-4
@@ -140,6 +128,6 @@ def test_bench_zorro_builds_the_model_once_into_its_cache_and_reuses_it(tmp_path
 
     # A cache that is a file is refused by the flag's name, before anything is built or written.
     (tmp_path / "file").write_text("")
-    refused = subprocess.run(cmd[:-3] + ["--model-cache", str(tmp_path / "file"), "--json"], capture_output=True, text=True)
+    refused = arctic_rl("bench", "zorro", *args[:-3], "--model-cache", str(tmp_path / "file"), "--json")
     assert refused.returncode != 0 and "--model-cache" in refused.stderr and "not a folder" in refused.stderr
     assert sorted(os.listdir(tmp_path)) == sorted([model, "file"]) and (tmp_path / "file").read_text() == ""

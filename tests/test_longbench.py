@@ -3,17 +3,13 @@ format's checks, and the command end to end on fixture files in LongBench's sche
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from transformers import AutoTokenizer
 
-from arctic_rl_core.engines.distributed import standalone_env
 from arctic_rl_core.errors import InvalidRequest
 from arctic_rl_recipes.longbench import TEMPLATES, load_task, prompt_ids, qa_f1, task_score
-
-CLI = os.path.join(os.path.dirname(sys.executable), "arctic-rl")
+from tests.preimported import arctic_rl
 
 
 def test_qa_f1_is_longbenchs_word_level_f1_after_squad_normalisation():
@@ -78,10 +74,9 @@ def test_eval_longbench_prints_each_tasks_f1_and_the_average(tiny_model, tmp_pat
                                         f"Which river is town {i} on?", [f"river {2 * i}", "unknown"])
                                 for i in range(3)])
     out = tmp_path / "scores.json"
-    proc = subprocess.run([CLI, "eval", "longbench", "--data", str(tmp_path), "--model", tiny_model, "--sampler",
-                           "transformers", "--tasks", "hotpotqa", "musique", "--max-length", "96", "--output", str(out),
-                           "--rope-scaling", '{"rope_type": "yarn", "factor": 4}'],
-                          capture_output=True, text=True, timeout=600, env=standalone_env())  # its own world
+    proc = arctic_rl("eval", "longbench", "--data", str(tmp_path), "--model", tiny_model, "--sampler", "transformers",
+                     "--tasks", "hotpotqa", "musique", "--max-length", "96", "--output", str(out),
+                     "--rope-scaling", '{"rope_type": "yarn", "factor": 4}', timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     scores = json.loads(out.read_text())
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line.split()}

@@ -1,6 +1,7 @@
 """The driver end to end: the tiny text2sql recipe on vLLM, with ZoRRo on, synchronous and pipelined.
 
-Each run is its own `arctic-rl train` process (one in-process vLLM engine per process).
+Each run is its own `arctic-rl train` process (one in-process vLLM engine per process), forked from the
+test process's preimported interpreter (tests/preimported.py).
 
 The accuracy gain is asserted on a synchronous run (`pipeline.max_staleness=0`): each batch is sampled from the
 weights of the step before, whatever the machine's load, so the run is the same each time on one kind of CPU. The
@@ -13,11 +14,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 
-from arctic_rl_core.engines.distributed import standalone_env
+from tests.preimported import arctic_rl
 
 GRPO_STEPS = 150
 """The recipe's full GRPO length: synchronous, held-out accuracy goes 0.415 -> 0.53 after 150 steps on an Intel Xeon,
@@ -28,9 +28,8 @@ SHORT = ["grpo.steps={steps}", "eval.every=0", "progress=false", "seed=0"]
 
 
 def train(tmp_path, *overrides, steps: int) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "arctic_rl_core.cli", "train", "text2sql_tiny", f"output_dir={tmp_path / 'run'}",
-            f"model.path={tmp_path / 'model'}", *[o.format(steps=steps) for o in SHORT], *overrides]
-    proc = subprocess.run(args, capture_output=True, text=True, env=standalone_env(), timeout=900)
+    proc = arctic_rl("train", "text2sql_tiny", f"output_dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}",
+                     *[o.format(steps=steps) for o in SHORT], *overrides, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
