@@ -21,6 +21,16 @@ run_lane() {
   return "$status"
 }
 
+# The servers the suites start run in the main environment, forked from one interpreter there that has imported the
+# engines (tests/preimported.py), shared by every suite of both lanes: a suite's own would pay those imports again.
+# (Its socket in a folder of its own under /tmp: a socket's path may not pass 107 bytes.)
+sockets=$(mktemp -d)
+export ARCTIC_RL_PREIMPORTED_SOCKET=$sockets/preimported.sock ARCTIC_RL_PREIMPORTED_PYTHON=$PWD/.venv/bin/python
+"$ARCTIC_RL_PREIMPORTED_PYTHON" -m tests.preimported --listen "$ARCTIC_RL_PREIMPORTED_SOCKET" \
+  > .cache/compat-preimported.log 2>&1 &
+preimported=$!
+trap 'kill "$preimported" 2> /dev/null; wait "$preimported"; rm -rf "$sockets"' EXIT
+
 pids=()
 for i in $(seq 1 $#); do
   # shellcheck disable=SC2086  # a lane is a space-separated list of suites

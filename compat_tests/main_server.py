@@ -3,7 +3,9 @@ framework's own environment. Both sides load the tiny model from the same folder
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -32,7 +34,8 @@ def main_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
 
 
-BUILT_MODELS = Path(__file__).resolve().parent.parent / ".cache" / "compat-tiny-models"
+ROOT = Path(__file__).resolve().parent.parent
+BUILT_MODELS = ROOT / ".cache" / "compat-tiny-models"
 """Each tiny model the suites ask for, built once per checkout and builder (`make-tiny-model`'s arguments and
 arctic_rl_core/models/tiny.py): several suites and both lanes ask for the same ones, each build a new interpreter
 importing torch and transformers (about 3 CPU s)."""
@@ -40,7 +43,7 @@ importing torch and transformers (about 3 CPU s)."""
 
 def make_tiny_model(path: str, *args: str) -> str:
     """`arctic-rl make-tiny-model ARGS PATH`: a copy of the one built for these arguments, built if none is."""
-    builder = BUILT_MODELS.parent.parent / "arctic_rl_core" / "models" / "tiny.py"
+    builder = ROOT / "arctic_rl_core" / "models" / "tiny.py"
     key = hashlib.sha256(json.dumps([args, builder.read_text()]).encode()).hexdigest()[:16]
     built = BUILT_MODELS / key
     if not built.is_dir():
@@ -57,40 +60,58 @@ def make_tiny_model(path: str, *args: str) -> str:
     return path
 
 
+@functools.cache
+def _preimported():
+    """tests/preimported.py, loaded by its path: a framework's environment may hold a `tests` package of its own
+    (verl's does)."""
+    spec = importlib.util.spec_from_file_location("arctic_rl_preimported", ROOT / "tests" / "preimported.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @contextmanager
 def serving(job: dict, work: Path, *args: str, start_timeout_s: float = 300, env: dict[str, str] | None = None,
-            on_loaded: Callable[[subprocess.Popen], None] | None = None):
+            on_loaded: Callable[[subprocess.Popen], None] | None = None, fresh: bool = False):
     """The server's URL once it has loaded `job` (a BackendConfig); its log is `work/server.log`. `env`: variables
-    for the server beside this process's; `on_loaded`: called with the server's process once the job is loaded."""
+    for the server beside this process's; `on_loaded`: called with the server's process once the job is loaded.
+    The server is forked from an interpreter of the main environment that has imported the engines already
+    (tests/preimported.py: the suites start a dozen servers, each about 15 CPU s of imports in a fresh one);
+    `fresh`: in a fresh interpreter, as a user starts it (the benches)."""
     (work / "job.yaml").write_text(json.dumps(job))
     port = free_port()
-    with open(work / "server.log", "w") as log:
-        proc = subprocess.Popen([MAIN_PYTHON, "-m", "arctic_rl_core.cli", "serve", "--port", str(port), "--config",
-                                 str(work / "job.yaml"), *args], stdout=log, stderr=subprocess.STDOUT, cwd=work,
-                                env={**main_env(), **(env or {})})
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + start_timeout_s
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"arctic-rl serve exited ({proc.returncode}); see {log.name}")
-                try:
-                    if httpx.get(f"{url}/v1/status", timeout=2).json().get("initialized"):
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.time() > deadline:
-                    raise RuntimeError(f"arctic-rl serve did not load its job in time; see {log.name}")
-                time.sleep(1)
-            if on_loaded is not None:
-                on_loaded(proc)
-            yield url
-        finally:
-            proc.terminate()
+    command = ["serve", "--port", str(port), "--config", str(work / "job.yaml"), *args]
+    server_env, log = {**main_env(), **(env or {})}, work / "server.log"
+    if fresh:
+        with open(log, "w") as out:
+            proc = subprocess.Popen([MAIN_PYTHON, "-m", "arctic_rl_core.cli", *command], stdout=out,
+                                    stderr=subprocess.STDOUT, cwd=work, env=server_env)
+    else:
+        proc = _preimported().start("arctic_rl_core.cli", *command, env=server_env, stdout=str(log),
+                                    stderr=str(log), cwd=str(work), python=MAIN_PYTHON)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + start_timeout_s
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"arctic-rl serve exited ({proc.returncode}); see {log}")
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                if httpx.get(f"{url}/v1/status", timeout=2).json().get("initialized"):
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"arctic-rl serve did not load its job in time; see {log}")
+            time.sleep(1)
+        if on_loaded is not None:
+            on_loaded(proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def tiny_qwen3(folder: Path) -> str:

@@ -213,7 +213,8 @@ def main() -> None:
         work = Path(tmp)
         model = make_model(str(work / "tiny-llama"))
         (work / "server").mkdir()
-        with serving({"model_path": model, **JOBS["single"]}, work / "server") as url:
+        # the server in a fresh interpreter, as a user starts it
+        with serving({"model_path": model, **JOBS["single"]}, work / "server", fresh=True) as url:
             client = ArcticRLClient(url)
             for shape_name in args.shape or list(SHAPES):
                 shape = SHAPES[shape_name]

@@ -211,7 +211,7 @@ def arctic_server(spec: dict, work: Path, split: CoreSplit | None = None, placed
         env, loaded = None, None
     else:
         env, loaded = split.server_env(), lambda proc: placed.update(pin_server(proc.pid, split))
-    with serving(spec, work, env=env, on_loaded=loaded) as url:
+    with serving(spec, work, env=env, on_loaded=loaded, fresh=True) as url:  # as a user starts it
         yield url
 
 
