@@ -65,7 +65,7 @@ def test_one_shared_interpreter_serves_each_asker_in_its_own_environment_and_out
                                 stdout=out, stderr=out)
             assert child.wait(60) == 0
             shown[name] = open(out).read().split()[0]
-            assert psutil_parent(child.pid) is None  # reaped by the daemon, not a child of this process
+            assert not is_child_of_this_process(child.pid)  # the daemon's child, reaped by it
         assert shown == {"first": "first", "second": "second"}
         log = str(tmp_path / "sleeper.log")
         sleeper = first.start("timeit", ["-n1", "-r1", "import time; time.sleep(600)"], env=standalone_env(),
@@ -83,14 +83,13 @@ def test_one_shared_interpreter_serves_each_asker_in_its_own_environment_and_out
         assert daemon.wait(30) == 0
 
 
-def psutil_parent(pid: int) -> int | None:
-    """The parent of `pid` if it is this process, else None (ended, or another's)."""
+def is_child_of_this_process(pid: int) -> bool:
     import psutil
 
     try:
-        return os.getpid() if psutil.Process(pid).ppid() == os.getpid() else None
+        return psutil.Process(pid).ppid() == os.getpid()
     except psutil.NoSuchProcess:
-        return None
+        return False
 
 
 def pid_alive(pid: int) -> bool:
