@@ -233,6 +233,34 @@ def test_the_reference_replays_only_where_the_job_asks(moe_model, replays):
         backend.close()
 
 
+def test_the_critic_of_a_replaying_job_replays_the_routes_a_batch_carries(moe_model):
+    """PPO with GAE under R3 (verl's critic worker on such a job): the critic's values and updates route a batch's
+    tokens as its record says, and by its own routing where the batch carries none."""
+    backend = InProcessBackend({"model_path": moe_model, "sampler": {"name": "transformers"}, "router_replay": "R3",
+                                "critic": {"enable": True, "engine": {"learning_rate": 5e-2, "zero_stage": 0}}})
+    try:
+        _, seqs = _sampled(backend)
+        own = [s.model_copy(update={"routed_experts": None}) for s in seqs]
+        for step in range(2):  # its value head starts at zero (every value 0): a few steps move it
+            targets = [s.model_copy(update={"returns": [1.0 - i] * len(s.response_ids), "old_values": v})
+                       for i, (s, v) in enumerate(zip(seqs, backend.values(seqs).values))]
+            backend.fwd_bwd(targets, "value", model="critic")
+            backend.step(model="critic")
+        replayed, unrouted = backend.values(seqs).values, backend.values(own).values
+        forced = backend.values([_other_routes(s, backend.engine.router_replay.experts, seed=i)
+                                 for i, s in enumerate(seqs)]).values
+        assert [len(v) for v in unrouted] == [len(v) for v in replayed] == [len(s.response_ids) for s in seqs]
+        assert any(abs(v) > 1e-3 for row in replayed for v in row)
+
+        def gap(a, b):
+            return max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p, q))
+        assert gap(replayed, forced) > 1e-3  # the routes a batch carries are the ones taken
+        # Its decoder trained too, so its own routing has left the sampler's: without a record the values differ.
+        assert gap(replayed, unrouted) > 1e-3
+    finally:
+        backend.close()
+
+
 def test_pipelined_rollouts_a_version_stale_replay_their_own_routing_on_the_newer_weights(moe_model):
     """Async pipelining (max_staleness 1) with R3: the batch trained after a step was sampled on the weights before
     it, and carries that sampler's routing; the trainer, on the newer weights, routes each of its tokens as the

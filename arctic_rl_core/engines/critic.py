@@ -25,6 +25,7 @@ from arctic_rl_core.models.fingerprint import checkpoint_fingerprint
 
 class CriticEngine(DeepSpeedEngine):
     output_keys = ("values",)
+    reports_routes = False  # it replays the routes a batch carries, as the policy does; it has none of its own to report
 
     def __init__(self, config: BackendConfig):
         path = config.critic.model_path or config.model_path

@@ -217,6 +217,8 @@ class DeepSpeedEngine(TrainingEngine):
 
     output_keys: tuple[str, ...] = ("logprobs", "entropy")
     """The per-token outputs `forward` returns and `forward_backward` keeps."""
+    reports_routes = True
+    """A replaying forward also returns the routing it took (the policy's, which R2 replays in the update)."""
 
     def _outputs(self, mb: MicroBatch, post: list[tuple[Registered, Any]], with_entropy: bool,
                  record_routes: bool = False) -> dict[str, torch.Tensor]:
@@ -265,7 +267,7 @@ class DeepSpeedEngine(TrainingEngine):
         results = []
         for mb in micro_batches:
             mb.inputs = inputs_on_device(mb.inputs, self.device)
-            record = self.router_replay is not None
+            record = self.router_replay is not None and self.reports_routes
             out = self._outputs(mb, post, with_entropy, record_routes=record)
             kept = {k: v.float().cpu() for k, v in out.items() if k in self.output_keys}
             if record:  # the routing this forward took, replayed or its own, per flat position
