@@ -53,12 +53,12 @@ def server(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def moe_server(tmp_path_factory):
-    """A job on a tiny Qwen3-MoE replaying routing (R3), its vLLM sampler recording each sample's routes:
-    (model folder, URL)."""
+    """A job on a tiny Qwen3-MoE replaying routing (R3), its vLLM sampler recording each sample's routes, with a
+    critic (its GAE run: test_main_ppo.py): (model folder, URL)."""
     work = tmp_path_factory.mktemp("moe")
     model = make_tiny_model(str(work / "tiny-qwen3-moe"), "--family", "qwen3_moe", "--max-positions", "512")
     job = {"model_path": model, "sampler": {"name": "vllm", "kv_cache_mb": 128}, "router_replay": "R3",
-           "engine": {"zero_stage": 0, "learning_rate": 1e-3, "weight_decay": 0.01}}
+           "engine": {"zero_stage": 0, "learning_rate": 1e-3, "weight_decay": 0.01}, "critic": {"enable": True}}
     with serving(job, work) as url:
         yield model, url
 

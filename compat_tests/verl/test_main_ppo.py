@@ -49,8 +49,20 @@ def metric(log: str, name: str) -> list[float]:
     return [float(v) for v in re.findall(rf"{re.escape(name)}:(-?[0-9.eE+-]+)", log)]
 
 
-def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int, *extra: str) -> str:
-    """The documented command `marker` (plus `extra` settings) on a two-line data set; verl's log."""
+GRPO = "algorithm.adv_estimator=grpo"
+GAE = "algorithm.adv_estimator=gae algorithm.gamma=1.0 algorithm.lam=0.95"
+
+
+def under_gae(command: str) -> str:
+    """A documented GRPO command with the estimator settings of the documented `main_ppo_gae` command, which is the
+    `main_ppo` command with those in place of GRPO's."""
+    assert documented_command("main_ppo_gae") == documented_command("main_ppo").replace(GRPO, GAE)
+    assert command.count(GRPO) == 1, command
+    return command.replace(GRPO, GAE)
+
+
+def run_documented(command: str, tiny_model: str, server: str, folder, steps: int, *extra: str) -> str:
+    """A documented `command` (plus `extra` settings) on a two-line data set; verl's log."""
     write_data(folder)
     (folder / "reward.py").write_text(REWARD)
     # `python` in the documented command is verl's environment's.
@@ -59,7 +71,7 @@ def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    command = " ".join([documented_command(marker).rstrip(), *extra])
+    command = " ".join([command.rstrip(), *extra])
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
                           timeout=900, env=env, cwd=folder)
     log = proc.stdout + proc.stderr
@@ -67,10 +79,10 @@ def run_documented(marker: str, tiny_model: str, server: str, folder, steps: int
     return log
 
 
-def documented_run(marker: str, tiny_model, server, client, folder) -> dict:
-    """The documented command `marker` for STEPS steps, with the backend's status around it."""
+def documented_run(command: str, tiny_model, server, client, folder) -> dict:
+    """A documented `command` for STEPS steps, with the backend's status around it."""
     before, digest = client.status()["backend"], client.state_digest()
-    log = run_documented(marker, tiny_model, server, folder, STEPS)
+    log = run_documented(command, tiny_model, server, folder, STEPS)
     return {"before": before, "after": client.status()["backend"], "digest": digest,
             "digest_after": client.state_digest(), "log": log}
 
@@ -97,30 +109,38 @@ def assert_verls_loss_is_the_backends(log: str) -> None:
     assert metric(log, "actor/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
 
 
-# The adapter's config runs GRPO against the one-process job with R3 on a tiny Qwen3-MoE (`main_ppo_r3`: the
-# documented `main_ppo` command and R3's two keys; the dense model's sync trainer runs under GAE below, its GRPO
-# under the asynchronous trainer), and verl's own config with the native keys against the 2-rank, 2-replica job
-# (run.sh): the config path and the job's shape are independent (verl sees the same API), so each pairing is run
-# once, each with the whole set of checks.
+# verl's synchronous trainer runs twice. The adapter's config runs PPO with GAE and R3 on a tiny Qwen3-MoE against
+# the one-process job with a critic (`main_ppo_r3` with `main_ppo_gae`'s estimator: a run per feature cost a verl run
+# each, about 80 CPU s); verl's own config with the native keys runs GRPO against the 2-rank, 2-replica job (run.sh).
+# The config path and the job's shape are independent (verl sees the same API), so each pairing is run once, each
+# with the whole set of checks; GRPO on the dense model also runs under the asynchronous trainer.
+PROBE = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]
+
+
 @pytest.fixture(scope="module")
-def r3_run(moe_server, tmp_path_factory):
+def r3_gae_run(moe_server, tmp_path_factory):
     from arctic_rl_core.client import ArcticRLClient
 
     model, url = moe_server
-    return documented_run("main_ppo_r3", model, url, ArcticRLClient(url), tmp_path_factory.mktemp("main_ppo_r3"))
+    client = ArcticRLClient(url)
+    values_before = client.values(PROBE).values
+    run = documented_run(under_gae(documented_command("main_ppo_r3")), model, url, client,
+                         tmp_path_factory.mktemp("main_ppo_r3_gae"))
+    return {**run, "values_before": values_before, "values_after": client.values(PROBE).values}
 
 
 @pytest.fixture(scope="module")
 def native_keys_run(tiny_model, server, client, tmp_path_factory):
-    return documented_run("main_ppo_native", tiny_model, server, client, tmp_path_factory.mktemp("main_ppo_native"))
+    return documented_run(documented_command("main_ppo_native"), tiny_model, server, client,
+                          tmp_path_factory.mktemp("main_ppo_native"))
 
 
-def test_main_ppo_grpo_steps_run_on_arctic_rl(r3_run):
-    assert_trained_the_jobs_engine_from_its_sampler(r3_run, actors=1)
+def test_main_ppo_steps_run_on_arctic_rl(r3_gae_run):
+    assert_trained_the_jobs_engine_from_its_sampler(r3_gae_run, actors=1)
 
 
-def test_main_ppo_grpo_reports_the_loss_arctic_rl_trained_on(r3_run):
-    assert_verls_loss_is_the_backends(r3_run["log"])
+def test_main_ppo_reports_the_loss_arctic_rl_trained_on(r3_gae_run):
+    assert_verls_loss_is_the_backends(r3_gae_run["log"])
 
 
 def test_verls_own_config_with_the_native_keys_runs_grpo_steps_on_arctic_rl(native_keys_run):
@@ -139,7 +159,8 @@ def test_verls_colocated_async_trainer_trains_on_arctic_rl_off_policy(tiny_model
     oldest weights), and the loss trained is still verl's."""
     steps = 3
     before = client.status()["backend"]
-    log = run_documented("main_ppo", tiny_model, server, tmp_path, steps, "trainer.v1.trainer_mode=colocate_async")
+    log = run_documented(documented_command("main_ppo"), tiny_model, server, tmp_path, steps,
+                         "trainer.v1.trainer_mode=colocate_async")
     after = client.status()["backend"]
     assert after["optimizer_steps"] - before["optimizer_steps"] == steps
     stale = [int(v) for v in re.findall(r"training/off_policy/trajectory_staleness/max:(?:np\.\w+\()?(\d+)", log)]
@@ -149,10 +170,11 @@ def test_verls_colocated_async_trainer_trains_on_arctic_rl_off_policy(tiny_model
                                              for ours, theirs in zip(arctic_loss, verl_loss))
 
 
-def test_main_ppo_with_router_replay_r3_replays_every_sampled_sequence(r3_run):
+def test_main_ppo_with_router_replay_r3_replays_every_sampled_sequence(r3_gae_run):
     """verl's R3 (`router_replay.mode=R3`, `rollout.enable_rollout_routing_replay`): every sequence of every update
     carries the routing the job's sampler recorded, through verl's agent loop and batches."""
-    assert metric(r3_run["log"], "actor/arctic/replayed_sequences") == [16.0] * STEPS, r3_run["log"][-3000:]
+    log = r3_gae_run["log"]
+    assert metric(log, "actor/arctic/replayed_sequences") == [16.0] * STEPS, log[-3000:]
 
 
 def run_python_module(args: list[str]) -> subprocess.CompletedProcess:
@@ -177,20 +199,14 @@ def test_the_job_block_is_set_whole_from_the_command_line():
     assert job == {"sampler": {"name": "vllm"}, "engine": {"zero_stage": 0}}
 
 
-def test_main_ppo_with_gae_trains_verls_critic_on_arctic_rl(tiny_model, server, client, tmp_path):
+def test_main_ppo_with_gae_trains_verls_critic_on_arctic_rl(r3_gae_run):
     """PPO with GAE: verl's critic worker reads values from, and trains, the job's critic; its value loss is the
-    backend's, step by step. The dense model's run of verl's synchronous trainer on the adapter's config: its actor
-    trains the job's engine from its sampler, on verl's loss, as under GRPO."""
-    probe = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10]}]
-    values_before = client.values(probe).values
-    run = documented_run("main_ppo_gae", tiny_model, server, client, tmp_path)
-    before, after, log = run["before"], run["after"], run["log"]
+    backend's, step by step."""
+    before, after, log = r3_gae_run["before"], r3_gae_run["after"], r3_gae_run["log"]
     assert after["critic"]["optimizer_steps"] - before["critic"]["optimizer_steps"] == STEPS
     verl_loss, arctic_loss = metric(log, "critic/vf_loss"), metric(log, "critic/arctic/loss")
     assert len(verl_loss) == len(arctic_loss) == STEPS, log[-3000:]
     for ours, theirs in zip(arctic_loss, verl_loss):
         assert ours == pytest.approx(theirs, rel=1e-4, abs=1e-6)
     assert metric(log, "critic/arctic/groups") == [4.0] * STEPS  # each mini-batch's 4 groups, whole
-    assert client.values(probe).values != values_before
-    assert_trained_the_jobs_engine_from_its_sampler(run, actors=1)
-    assert_verls_loss_is_the_backends(log)
+    assert r3_gae_run["values_after"] != r3_gae_run["values_before"]
