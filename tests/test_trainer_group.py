@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
@@ -113,37 +114,57 @@ def test_more_ranks_than_the_cluster_can_place_fail_at_start_naming_the_setting(
 
 
 # A stopped rank 1 leaves rank 0 waiting in a collective too: both may be named.
-@pytest.mark.parametrize("fault, says", [("killed", "died"), ("stopped", r"ranks \[(0, )?1\] did not answer "
-                                                                    r"within ray.call_timeout_s=20 s")])
-def test_a_rank_that_died_or_hung_fails_the_call_saying_so_and_the_job_resumes_from_its_checkpoint(
-        tiny_model, tmp_path, fault, says):
+FAULTS = {"killed": "died", "stopped": r"ranks \[(0, )?1\] did not answer within ray.call_timeout_s=20 s"}
+
+
+@pytest.fixture(scope="module")
+def faulted(tiny_model, tmp_path_factory):
+    """Each fault on a 2-rank job that had stepped and saved a checkpoint, one job after the other: what the calls
+    after it raised, and the job's status. Then one new 2-rank job loads each checkpoint in turn (a new job per
+    checkpoint would start the same two ranks again): the state it then holds."""
     import ray
 
-    seqs, path = unequal_groups(), str(tmp_path / "ckpt")
-    api = InProcessBackend({**config(tiny_model, 2, 2), "ray": {"call_timeout_s": 20}})
-    try:
-        api.fwd_bwd(seqs, "grpo")
-        api.step()
-        api.save_checkpoint(path)
-        saved = api.state_digest()
-        if fault == "killed":
-            ray.kill(api.engine.actors[1], no_restart=True)
-        else:  # alive but answering nothing, as a rank hung in a collective
-            os.kill(api.describe()["trainer"][1]["pid"], signal.SIGSTOP)
-        calls = ThreadPoolExecutor(1)  # rank 0 is left in a collective: the call must not wait for it
-        with pytest.raises(TrainerRankFailed, match=f"{says}.*load_checkpoint"):
-            calls.submit(api.fwd_bwd, seqs, "grpo").result(timeout=120)
-        calls.shutdown(wait=False)
-        with pytest.raises(TrainerRankFailed):
-            api.step()  # the group refuses every later call at once
-        status = api.describe()
-        assert status["optimizer_steps"] is None and "load_checkpoint" in status["trainer_error"]
-        assert [row["healthy"] for row in status["trainer"]] == [False, False]
-    finally:
-        api.close()
+    found = {}
+    for fault in FAULTS:
+        seqs, path = unequal_groups(), str(tmp_path_factory.mktemp(fault) / "ckpt")
+        api = InProcessBackend({**config(tiny_model, 2, 2), "ray": {"call_timeout_s": 20}})
+        try:
+            api.fwd_bwd(seqs, "grpo")
+            api.step()
+            api.save_checkpoint(path)
+            row = found[fault] = {"path": path, "saved": api.state_digest()}
+            if fault == "killed":
+                ray.kill(api.engine.actors[1], no_restart=True)
+            else:  # alive but answering nothing, as a rank hung in a collective
+                os.kill(api.describe()["trainer"][1]["pid"], signal.SIGSTOP)
+            calls = ThreadPoolExecutor(1)  # rank 0 is left in a collective: the call must not wait for it
+            for call, name in ((lambda: calls.submit(api.fwd_bwd, seqs, "grpo").result(timeout=120), "fwd_bwd"),
+                               (api.step, "step")):  # the group refuses every later call at once
+                try:
+                    call()
+                except Exception as raised:
+                    row[name] = raised
+            calls.shutdown(wait=False)
+            row["status"] = api.describe()
+        finally:
+            api.close()
     fresh = InProcessBackend(config(tiny_model, 2, 2))
     try:
-        info = fresh.load_checkpoint(path)
-        assert info.step == 1 and fresh.state_digest() == saved
+        for row in found.values():
+            info = fresh.load_checkpoint(row["path"])
+            row["resumed"] = info.step, fresh.state_digest()
     finally:
         fresh.close()
+    return found
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_rank_that_died_or_hung_fails_the_call_saying_so_and_the_job_resumes_from_its_checkpoint(faulted, fault):
+    row = faulted[fault]
+    assert isinstance(row.get("fwd_bwd"), TrainerRankFailed), row.get("fwd_bwd")
+    assert re.search(f"{FAULTS[fault]}.*load_checkpoint", str(row["fwd_bwd"])), str(row["fwd_bwd"])
+    assert isinstance(row.get("step"), TrainerRankFailed), row.get("step")
+    status = row["status"]
+    assert status["optimizer_steps"] is None and "load_checkpoint" in status["trainer_error"]
+    assert [r["healthy"] for r in status["trainer"]] == [False, False]
+    assert row["resumed"] == (1, row["saved"])
