@@ -19,6 +19,14 @@ def run_cli(*args):
     return subprocess.run(CLI + list(args), capture_output=True, text=True, check=True)
 
 
+def forked_cli(*args) -> subprocess.CompletedProcess:
+    """`arctic-rl ARGS` forked from an interpreter that has imported the libraries (tests/preimported.py): the
+    console script's own start is test_console_script_plugins_json's."""
+    from tests.preimported import arctic_rl
+
+    return arctic_rl(*args, timeout=300)
+
+
 def test_console_script_plugins_json():
     report = json.loads(run_cli("plugins", "--json").stdout)
     losses = {p["name"] for p in report["plugins"] if p["kind"] == "loss"}
@@ -29,7 +37,9 @@ def test_console_script_plugins_json():
 
 
 def test_doctor_reports_engines_samplers_and_devices():
-    report = json.loads(run_cli("doctor", "--json").stdout)
+    doctor = forked_cli("doctor", "--json")
+    assert doctor.returncode == 0, doctor.stderr[-3000:]
+    report = json.loads(doctor.stdout)
     assert report["packages"]["torch"] == torch.__version__
     assert report["components"]["engine:deepspeed"] == "usable"
     assert report["devices"]["cuda"]["available"] == torch.cuda.is_available()
@@ -64,7 +74,9 @@ def test_a_command_whose_extra_is_missing_says_so_and_the_others_run():
 def test_make_tiny_model_builds_each_family(tmp_path, family, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = run_cli("make-tiny-model", "--family", family, "--hidden", "32", "--heads", "2", "--kv-heads", "1", str(tmp_path / family))
+    out = forked_cli("make-tiny-model", "--family", family, "--hidden", "32", "--heads", "2", "--kv-heads", "1",
+                     str(tmp_path / family))
+    assert out.returncode == 0, out.stderr[-3000:]
     path = out.stdout.strip()
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -79,7 +91,7 @@ def test_make_tiny_model_builds_each_family(tmp_path, family, model_type):
 
 
 def test_make_tiny_model_rejects_bad_shapes(tmp_path):
-    bad = subprocess.run(CLI + ["make-tiny-model", "--hidden", "30", "--heads", "4", str(tmp_path / "m")], capture_output=True, text=True)
+    bad = forked_cli("make-tiny-model", "--hidden", "30", "--heads", "4", str(tmp_path / "m"))
     assert bad.returncode != 0 and "multiple of heads" in bad.stderr
 
 
