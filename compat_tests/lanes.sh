@@ -23,13 +23,16 @@ run_lane() {
 
 # The servers the suites start run in the main environment, forked from one interpreter there that has imported the
 # engines (tests/preimported.py), shared by every suite of both lanes: a suite's own would pay those imports again.
-# (Its socket in a folder of its own under /tmp: a socket's path may not pass 107 bytes.)
-sockets=$(mktemp -d)
-export ARCTIC_RL_PREIMPORTED_SOCKET=$sockets/preimported.sock ARCTIC_RL_PREIMPORTED_PYTHON=$PWD/.venv/bin/python
+# (Its socket in a folder of the run's own under /tmp: a socket's path may not pass 107 bytes.) The client's and
+# adapters' wheels are built once for the run there too (compat_tests/client.sh).
+shared=$(mktemp -d)
+export ARCTIC_RL_PREIMPORTED_SOCKET=$shared/preimported.sock ARCTIC_RL_PREIMPORTED_PYTHON=$PWD/.venv/bin/python
+export ARCTIC_RL_WHEELS=$shared/wheels
+mkdir "$ARCTIC_RL_WHEELS"
 "$ARCTIC_RL_PREIMPORTED_PYTHON" -m tests.preimported --listen "$ARCTIC_RL_PREIMPORTED_SOCKET" \
   > .cache/compat-preimported.log 2>&1 &
 preimported=$!
-trap 'kill "$preimported" 2> /dev/null; wait "$preimported"; rm -rf "$sockets"' EXIT
+trap 'kill "$preimported" 2> /dev/null; wait "$preimported"; rm -rf "$shared"' EXIT
 
 pids=()
 for i in $(seq 1 $#); do
