@@ -1,11 +1,13 @@
-# Sourced by the dependency scripts of the Python 3.12 environments (SkyRL's, prime-rl's): `uv_pip VENV ARGS...`
-# installs into VENV with uv, pinned, from one cache beside the environments. uv hard-links what it installs from
-# that cache, so the CUDA build of torch 2.13.0 with its nvidia-* libraries and triton (about 4.5 GB; the index's
-# only torch for Python 3.12), which both environments take, lies on the disk once; pip would unpack it into each
-# and keep its wheels in its own cache too (CI's disk ran out that way). Bytecode is compiled at install, as pip
+# Sourced by the compat environments' dependency scripts: `uv_pip VENV ARGS...` installs into VENV with uv, pinned,
+# from one cache beside the environments. uv hard-links what it installs from that cache, so what several
+# environments take lies on the disk once and is unpacked once: the CUDA build of torch 2.13.0 with its nvidia-*
+# libraries and triton (about 4.5 GB; the index's only torch for Python 3.12), which SkyRL's and prime-rl's take,
+# and the local CPU build, which verl's and Tinker's take. pip would unpack each into each environment (CI's disk
+# ran out that way; verl's environment took 29 CPU s with pip, 9 with uv). Bytecode is compiled at install, as pip
 # does: these machines set PYTHONDONTWRITEBYTECODE, so without it every process compiles torch's sources again
-# (SkyRL's tests took twice as long); CI, which lets processes write bytecode, sets UV_COMPILE_BYTECODE=0. Run
-# from the repository root.
+# (SkyRL's tests took twice as long); CI, which lets processes write bytecode, sets UV_COMPILE_BYTECODE=0. uv reads
+# none of pip's configuration: the folders where pip finds local wheels (the machine's CPU torch, environment.md)
+# are passed on (`pip_find_links`). Run from the repository root.
 UV_VERSION=0.13.9
 export UV_CACHE_DIR=$PWD/.cache/uv-cache UV_LINK_MODE=hardlink UV_PYTHON_DOWNLOADS=never UV_NO_CONFIG=1 \
   UV_NO_PROGRESS=1 UV_COMPILE_BYTECODE=${UV_COMPILE_BYTECODE:-1}
@@ -28,4 +30,14 @@ uv_pip() {
   local venv=$1
   shift
   "$(uv_binary)" pip install --quiet --python "$venv/bin/python" "$@"
+}
+# `pip_find_links`: `--find-links DIR` for each folder of local wheels that pip's configuration names (PIP_FIND_LINKS,
+# or its configuration files), for uv_pip.
+pip_find_links() {
+  local folders folder
+  folders=${PIP_FIND_LINKS:-$("${PYTHON311:-$(command -v python3.11 || command -v python3)}" -m pip config get \
+    global.find-links 2> /dev/null || true)}
+  for folder in $folders; do
+    printf -- '--find-links\n%s\n' "$folder"
+  done
 }

@@ -6,14 +6,14 @@
 #   archives are not on the machine, only that environment is missing (run.sh says so).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source compat_tests/uv.sh
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.cache/compat-primerl-venv
 STAMP=$VENV/.installed-verifiers-0.4.0-renderers-0.1.12
 if [ ! -f "$STAMP" ]; then
   rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade "pip==24.3.1"
-  "$VENV/bin/python" -m pip install --quiet "verifiers==0.4.0" "renderers==0.1.12" "pytest==9.2.0"
+  uv_venv "$VENV" "$PYTHON" 24.3.1
+  uv_pip "$VENV" "verifiers==0.4.0" "renderers==0.1.12" "pytest==9.2.0"
   touch "$STAMP"
 fi
 status=0

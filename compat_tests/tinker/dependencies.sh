@@ -6,13 +6,14 @@
 # `make compat-dependencies`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source compat_tests/uv.sh
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.cache/compat-tinker-venv
 STAMP=$VENV/.installed-tinker-0.38.0-cookbook-0.5.8
 if [ ! -f "$STAMP" ]; then
   rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade "pip==24.3.1"
-  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" "tinker==0.38.0" "tinker-cookbook==0.5.8" "pytest==9.2.0"
+  uv_venv "$VENV" "$PYTHON" 24.3.1
+  mapfile -t local_wheels < <(pip_find_links)  # the local CPU torch
+  uv_pip "$VENV" "${local_wheels[@]}" "torch==2.13.0" "tinker==0.38.0" "tinker-cookbook==0.5.8" "pytest==9.2.0"
   touch "$STAMP"
 fi

@@ -4,15 +4,16 @@
 # environment.sh and by `make compat-dependencies` (which CI runs beside the test suites).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+source compat_tests/uv.sh
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.cache/compat-verl-venv
 STAMP=$VENV/.installed-verl-0.9.1
 if [ ! -f "$STAMP" ]; then
   rm -rf "$VENV"
-  "$PYTHON" -m venv "$VENV"
-  "$VENV/bin/python" -m pip install --quiet --upgrade "pip==24.3.1"
-  # torch exactly pinned first: the local CPU wheel (verl's `cpu` extra would pin torch 2.11.0).
-  "$VENV/bin/python" -m pip install --quiet "torch==2.13.0"
-  "$VENV/bin/python" -m pip install --quiet "verl[verl-core]==0.9.1" "pytest==9.2.0" "pandas>=2" "pyarrow>=15"
+  uv_venv "$VENV" "$PYTHON" 24.3.1
+  # torch exactly pinned: the local CPU wheel (verl's `cpu` extra would pin torch 2.11.0).
+  mapfile -t local_wheels < <(pip_find_links)
+  uv_pip "$VENV" "${local_wheels[@]}" "torch==2.13.0" "verl[verl-core]==0.9.1" "pytest==9.2.0" "pandas>=2" \
+    "pyarrow>=15"
   touch "$STAMP"
 fi
