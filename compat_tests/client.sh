@@ -20,19 +20,22 @@ install_client() {
   return "$status"
 }
 # `_client_wheel VENV PROJECT INTO`: PROJECT's wheel into the folder INTO, built with VENV's pip, or taken from
-# ARCTIC_RL_WHEELS. Two lanes may build one at once: each builds in a folder of its own and the first to finish
-# keeps its folder there.
+# ARCTIC_RL_WHEELS. There the lanes build one at a time: setuptools builds in the source tree's build/, and two
+# builds of one project at once collide there.
 _client_wheel() {
-  local venv=$1 project=$2 into=$3 shared built
+  local venv=$1 project=$2 into=$3 shared lock status=0
   if [ -z "${ARCTIC_RL_WHEELS:-}" ]; then
     "$venv/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$into" "$project"
     return
   fi
   shared=$ARCTIC_RL_WHEELS/$(printf %s "$project" | tr -c 'A-Za-z0-9' _)
+  exec {lock}> "$ARCTIC_RL_WHEELS/.lock"
+  flock "$lock"
   if [ ! -d "$shared" ]; then
-    built=$(mktemp -d "$ARCTIC_RL_WHEELS/building.XXXXXX")
-    "$venv/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$built" "$project" || { rm -rf "$built"; return 1; }
-    mv -T "$built" "$shared" 2> /dev/null || rm -rf "$built"
+    "$venv/bin/python" -m pip wheel --quiet --no-deps --wheel-dir "$shared.building" "$project" &&
+      mv "$shared.building" "$shared" || status=$?
+    rm -rf "$shared.building"
   fi
-  cp "$shared"/*.whl "$into"/
+  exec {lock}>&-
+  [ "$status" = 0 ] && cp "$shared"/*.whl "$into"/
 }
