@@ -2,9 +2,9 @@
 four raylets on this machine (`arctic_rl_bench.local_cluster`), a head, a worker labelled `role=trainer` and two
 labelled `role=sampler`, each with its own logical CPUs. The tiny text2sql recipe joins it by `ray.address`, its
 two trainer ranks on the trainer node and its two sampler replicas on a sampler node (`placement: disaggregated`,
-chosen by node labels). It trains exactly as the same job on one node; it loses a sampler node under it and
-finishes every step on the other; it loses its trainer node, stops saying so, and its last checkpoint resumes on
-the nodes left with the uninterrupted run's losses. The nodes are stopped by process group, bounded in time,
+chosen by node labels). It trains exactly as the same job on one node; it loses its trainer node, stops saying so,
+and its last checkpoint resumes on the nodes left with the one-node run's losses; the resumed job loses a sampler
+node under it and finishes every step on the other. The nodes are stopped by process group, bounded in time,
 whatever the tests did."""
 
 import json
@@ -31,6 +31,7 @@ JOB = ["backend.engine.ranks=2", "backend.sampler.replicas=2", "backend.placemen
        "pipeline.max_staleness=0", "eval.max_examples=16", "checkpoint.every=0"]
 ON_THE_CLUSTER = ["backend.ray.trainer_nodes.labels.role=trainer", "backend.ray.sampler_nodes.labels.role=sampler"]
 STEPS = 2
+"""The steps the job on the cluster takes before it loses its trainer node (while step STEPS + 1 samples)."""
 
 
 @pytest.fixture(scope="module")
@@ -41,42 +42,19 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(cluster, tmp_path_factory):
-    """The job on one node (a local Ray), then on the cluster (ranks on the trainer node, replicas on a sampler
-    node), each `STEPS` GRPO steps uninterrupted: their run directories."""
-    one_node = tmp_path_factory.mktemp("one-node")
-    train(one_node, *JOB, "backend.ray.num_cpus=4", steps=STEPS)
-    two_nodes = tmp_path_factory.mktemp("two-nodes")
-    train(two_nodes, *JOB, f"model.path={one_node / 'model'}", f"backend.ray.address={cluster.address}",
-          *ON_THE_CLUSTER, steps=STEPS)
-    return one_node, two_nodes
+def one_node(tmp_path_factory):
+    """The job on one node (a local Ray), uninterrupted, one step past where the job on the cluster is stopped: its
+    run directory."""
+    run = tmp_path_factory.mktemp("one-node")
+    train(run, *JOB, "backend.ray.num_cpus=4", steps=STEPS + 1)
+    return run
 
 
-def losses(run) -> dict:
-    records = rows(run)
+def losses(records: list[dict]) -> dict:
     sft = next(r for r in records if r.get("phase") == "after_sft")
     return {"sft": [sft["sft_loss_first"], sft["sft_loss_last"]],
             "grpo": [r["loss"] for r in records if r["kind"] == "train" and r["groups_trained"]],
             "reward": [r["reward"] for r in records if r["kind"] == "train"]}
-
-
-def test_ranks_on_one_node_and_replicas_on_another_train_exactly_as_on_one_node(cluster, runs):
-    ids = cluster.ids
-    one_node, two_nodes = runs
-
-    # Where each actor ran, as the job's status reported it: ranks on the trainer node, replicas on a sampler node.
-    placement = json.load(open(two_nodes / "run" / "summary.json"))["placement"]
-    assert [row["node_id"] for row in placement["trainer"]] == [ids["trainer"]] * 2, placement
-    sampler_nodes = {row["node_id"] for row in placement["sampler"]}
-    assert len(sampler_nodes) == 1 and sampler_nodes <= {ids["sampler-a"], ids["sampler-b"]}, placement  # PACK
-    local = json.load(open(one_node / "run" / "summary.json"))["placement"]
-    assert len({row["node_id"] for row in local["trainer"] + local["sampler"]}) == 1, local
-
-    # The same losses, step by step (fp32): the cluster changes where the work runs, not what it computes.
-    here, there = losses(one_node), losses(two_nodes)
-    assert len(there["grpo"]) == STEPS  # each step had groups with mixed rewards, so each trained
-    for key in ("sft", "grpo", "reward"):
-        assert there[key] == pytest.approx(here[key], rel=1e-5, abs=1e-7), (key, here, there)
 
 
 @pytest.mark.parametrize("ray_settings, field, says", [
@@ -117,20 +95,21 @@ def test_a_job_the_cluster_cannot_place_is_refused_at_once_naming_the_setting(cl
         ray.shutdown()
 
 
-def replica_pids() -> list[int]:
+def actor_pids(name: bytes) -> list[int]:
+    """The processes of this machine whose title is Ray's for an actor of class `name` (b"SamplerReplica")."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::SamplerReplica"):
+                if f.read().startswith(b"ray::" + name):
                     pids.append(int(pid))
         except OSError:
             pass
     return pids
 
 
-RESUMED_STEPS = 4
-"""The resumed job's last step: it loses a sampler node after its first step (step 2)."""
+RESUMED_STEPS = STEPS + 2
+"""The resumed job's last step: it loses a sampler node after its first step (step STEPS + 1)."""
 
 
 def submitted(job: list[str], log, *overrides: str) -> subprocess.Popen:
@@ -146,14 +125,15 @@ def wait_for(proc: subprocess.Popen, done, log_file, timeout_s: float = 600) -> 
 
 
 @pytest.fixture(scope="module")
-def nodes_lost(cluster, runs, tmp_path_factory):
-    """Both losses in one run, each at a step of its own. The job loses its trainer node once step 1's checkpoint is
-    written, while step 2 samples, and stops. A new job resumes from that checkpoint on the nodes left (ranks on the
-    head, replicas on a sampler node) and, once its first step (step 2) is in, loses the node holding its replicas
-    while step 3 samples: it finishes every step on the other sampler node. The last two tests' evidence; they take
-    two nodes away from the cluster the module shares."""
+def nodes_lost(cluster, one_node, tmp_path_factory):
+    """The job on the cluster, and both losses, each at a step of its own. The job trains STEPS steps with its ranks
+    on the trainer node and its replicas on a sampler node (where their processes run, read from each node's
+    process tree), then loses its trainer node once step STEPS's checkpoint is written, while the next step samples,
+    and stops. A new job resumes from that checkpoint on the nodes left (ranks on the head, replicas on a sampler
+    node) and, once its first step is in, loses the node holding its replicas while the next step samples: it
+    finishes every step on the other sampler node. The module's evidence; it takes two nodes away from the cluster
+    the module shares, so the tests that need them all run before it."""
     nodes = cluster.nodes
-    one_node, _ = runs
     run = tmp_path_factory.mktemp("nodes-lost")
     job = [RAY, "job", "submit", f"--address={cluster.dashboard}", "--", sys.executable, "-m", "arctic_rl_core.cli",
            "train", "text2sql_tiny", f"output_dir={run / 'run'}", f"model.path={one_node / 'model'}",
@@ -163,7 +143,9 @@ def nodes_lost(cluster, runs, tmp_path_factory):
     with open(first, "w") as log:
         proc = submitted(job, log, *ON_THE_CLUSTER)
         try:
-            wait_for(proc, (run / "run" / "checkpoints" / "step_000001" / "driver_state.json").exists, first)
+            wait_for(proc, (run / "run" / "checkpoints" / f"step_{STEPS:06d}" / "driver_state.json").exists, first)
+            found["placed"] = {actor: sorted(name for name, node in nodes.items() for pid in actor_pids(actor.encode())
+                                             if node.holds(pid)) for actor in ("TrainerRank", "SamplerReplica")}
             nodes["trainer"].stop(first=signal.SIGKILL)  # its raylet and the ranks killed, as a machine that goes away
             lost = time.monotonic()
             found["first_exit"] = proc.wait(timeout=300)
@@ -171,14 +153,15 @@ def nodes_lost(cluster, runs, tmp_path_factory):
         finally:
             if proc.poll() is None:
                 proc.kill()
-    found["steps_before_resuming"] = [r["step"] for r in rows(run) if r["kind"] == "train"]
+    found["before_resuming"] = rows(run)
 
     with open(resumed, "w") as log:
         proc = submitted(job, log, "resume=auto", "backend.ray.trainer_nodes.labels.name=head",
                          "backend.ray.sampler_nodes.labels.role=sampler")
         try:
-            wait_for(proc, lambda: any(r["kind"] == "train" and r["step"] == 2 for r in rows(run)), resumed)
-            holding = [name for name, node in nodes.items() if any(node.holds(pid) for pid in replica_pids())]
+            wait_for(proc, lambda: any(r["kind"] == "train" and r["step"] == STEPS + 1 for r in rows(run)), resumed)
+            holding = [name for name, node in nodes.items()
+                       if any(node.holds(pid) for pid in actor_pids(b"SamplerReplica"))]
             found["sampler_lost"] = holding
             if len(holding) == 1:
                 nodes[holding[0]].stop(first=signal.SIGKILL)
@@ -188,6 +171,23 @@ def nodes_lost(cluster, runs, tmp_path_factory):
                 proc.kill()
     found["said"], found["resumed_said"] = first.read_text(), resumed.read_text()
     return run, found
+
+
+def test_ranks_on_one_node_and_replicas_on_another_train_exactly_as_on_one_node(cluster, one_node, nodes_lost):
+    _, found = nodes_lost
+
+    # Where each actor ran: ranks on the trainer node, replicas on a sampler node.
+    placed = found["placed"]
+    assert placed["TrainerRank"] == ["trainer"] * 2, placed
+    assert placed["SamplerReplica"] in (["sampler-a"] * 2, ["sampler-b"] * 2), placed  # PACK
+    local = json.load(open(one_node / "run" / "summary.json"))["placement"]
+    assert len({row["node_id"] for row in local["trainer"] + local["sampler"]}) == 1, local
+
+    # The same losses, step by step (fp32): the cluster changes where the work runs, not what it computes.
+    here, there = losses(rows(one_node)), losses(found["before_resuming"])
+    assert len(there["grpo"]) == STEPS  # each step had groups with mixed rewards, so each trained
+    for key in ("sft", "grpo", "reward"):
+        assert there[key] == pytest.approx(here[key][: len(there[key])], rel=1e-5, abs=1e-7), (key, here, there)
 
 
 def test_a_sampler_node_lost_mid_run_costs_no_step_and_no_sample(cluster, nodes_lost):
@@ -208,9 +208,8 @@ def test_a_sampler_node_lost_mid_run_costs_no_step_and_no_sample(cluster, nodes_
 
 
 def test_a_trainer_node_lost_stops_the_job_saying_so_and_its_checkpoint_resumes_on_the_nodes_left(
-        cluster, runs, nodes_lost):
+        cluster, one_node, nodes_lost):
     ids = cluster.ids
-    _, uninterrupted = runs
     run, found = nodes_lost
     # The job fails with an error that says what happened and what to do, well within ray.call_timeout_s.
     said = found["said"]
@@ -220,15 +219,15 @@ def test_a_trainer_node_lost_stops_the_job_saying_so_and_its_checkpoint_resumes_
     assert "load_checkpoint to resume from the last checkpoint" in said
     assert found["stopped_in"] < 120, found["stopped_in"]
     print(f"the job stopped {found['stopped_in']:.1f} s after its trainer node was lost")
-    assert found["steps_before_resuming"] == [1]
+    assert [r["step"] for r in found["before_resuming"] if r["kind"] == "train"] == list(range(1, STEPS + 1))
 
-    # The new job on the nodes left resumed from step 1's checkpoint, its ranks on the head, and its step 2 is the
-    # uninterrupted run's: the same batch sampled, the same loss (fp32).
+    # The new job on the nodes left resumed from step STEPS's checkpoint, its ranks on the head, and its first step
+    # is the uninterrupted one-node run's: the same batch sampled, the same loss (fp32).
     assert found["resumed_exit"] == 0, found["resumed_said"][-4000:]
-    assert "resumed from " + str(run / "run" / "checkpoints" / "step_000001") in found["resumed_said"]
+    assert "resumed from " + str(run / "run" / "checkpoints" / f"step_{STEPS:06d}") in found["resumed_said"]
     placement = json.load(open(run / "run" / "summary.json"))["placement"]
     assert [row["node_id"] for row in placement["trainer"]] == [ids["head"]] * 2, placement
-    here, there = losses(uninterrupted), losses(run)
+    here, there = losses(rows(one_node)), losses(rows(run))
     for key in ("sft", "grpo", "reward"):
-        steps = len(here[key])  # the uninterrupted run's: its SFT, then its STEPS GRPO steps
+        steps = len(here[key])  # the one-node run's: its SFT, then its STEPS + 1 GRPO steps
         assert there[key][:steps] == pytest.approx(here[key], rel=1e-5, abs=1e-7), (key, here, there)
