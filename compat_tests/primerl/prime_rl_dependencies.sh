@@ -20,7 +20,7 @@ if [ ! -f "$PRIME_RL" ] || [ ! -f "$VERIFIERS" ]; then
   exit 3
 fi
 source compat_tests/python312.sh
-source compat_tests/uv.sh
+source scripts/uv.sh
 PYTHON=${PRIMERL_PYTHON:-$(python312)}
 [ -n "$PYTHON" ] || { echo "compat_tests/primerl: prime-rl needs Python 3.12 and none runs here (set PRIMERL_PYTHON)" >&2; exit 1; }
 
@@ -33,7 +33,7 @@ tar -xzf "$PRIME_RL" -C "$SRC/prime-rl" --strip-components=1
 tar -xzf "$VERIFIERS" -C "$SRC/verifiers" --strip-components=1
 
 # Every package prime-rl's uv.lock takes from the index, at its locked version, but torch and what is built for
-# it: torch 2.13.0 is SkyRL's environment's, on disk once (uv.sh), where the lock has 2.11.0 (for vLLM, which
+# it: torch 2.13.0 is SkyRL's environment's, on disk once (scripts/uv.sh), where the lock has 2.11.0 (for vLLM, which
 # nothing here runs); the CUDA builds' own nvidia-* and cuda-* pins are left to that torch.
 "$VENV/bin/python" - "$SRC/prime-rl/uv.lock" "$SRC/constraints.txt" <<'EOF'
 import re, sys, tomllib

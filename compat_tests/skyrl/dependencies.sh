@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source compat_tests/python312.sh
-source compat_tests/uv.sh
+source scripts/uv.sh
 PYTHON=${SKYRL_PYTHON:-$(python312)}
 if [ -z "$PYTHON" ]; then
   echo "compat_tests/skyrl: skyrl 0.4.0 needs Python 3.12 and none runs here (set SKYRL_PYTHON)" >&2
@@ -16,7 +16,7 @@ STAMP=$VENV/.installed-skyrl-0.4.0-uv
 if [ ! -f "$STAMP" ]; then
   rm -rf "$VENV"
   uv_venv "$VENV" "$PYTHON" 24.3.1
-  # skyrl_train.txt: SkyRL's pins. With uv (uv.sh): the torch it takes is prime-rl's environment's too.
+  # skyrl_train.txt: SkyRL's pins. With uv (scripts/uv.sh): the torch it takes is prime-rl's environment's too.
   uv_pip "$VENV" -r compat_tests/skyrl/skyrl_train.txt
   touch "$STAMP"
 fi

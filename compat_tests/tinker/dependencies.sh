@@ -6,7 +6,7 @@
 # `make compat-dependencies`.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source compat_tests/uv.sh
+source scripts/uv.sh
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.cache/compat-tinker-venv
 STAMP=$VENV/.installed-tinker-0.38.0-cookbook-0.5.8

@@ -4,7 +4,7 @@
 # environment.sh and by `make compat-dependencies` (which CI runs beside the test suites).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-source compat_tests/uv.sh
+source scripts/uv.sh
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=.cache/compat-verl-venv
 STAMP=$VENV/.installed-verl-0.9.1

@@ -8,7 +8,7 @@
 # which of the pins it overrides, and why.
 set -euo pipefail
 source compat_tests/python312.sh
-source compat_tests/uv.sh
+source scripts/uv.sh
 PYTHON=${SKYRL_PYTHON:-$(python312)}
 [ -n "$PYTHON" ] || { echo "bench frameworks: SkyRL needs Python 3.12 and none runs here (set SKYRL_PYTHON)" >&2; exit 1; }
 VENV=.cache/bench-skyrl-alone-venv
