@@ -61,8 +61,12 @@ def under_gae(command: str) -> str:
     return command.replace(GRPO, GAE)
 
 
+UNWATCHED = "+ray_kwargs.ray_init.include_dashboard=False"
+"""Each run's local Ray without its dashboard, which nothing here reads: its processes took about 5 CPU s a run."""
+
+
 def run_documented(command: str, tiny_model: str, server: str, folder, steps: int, *extra: str) -> str:
-    """A documented `command` (plus `extra` settings) on a two-line data set; verl's log."""
+    """A documented `command` (plus `extra` settings) on a two-line data set, its Ray UNWATCHED; verl's log."""
     write_data(folder)
     (folder / "reward.py").write_text(REWARD)
     # `python` in the documented command is verl's environment's.
@@ -71,7 +75,7 @@ def run_documented(command: str, tiny_model: str, server: str, folder, steps: in
            "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    command = " ".join([command.rstrip(), *extra])
+    command = " ".join([command.rstrip(), UNWATCHED, *extra])
     proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
                           timeout=900, env=env, cwd=folder)
     log = proc.stdout + proc.stderr
