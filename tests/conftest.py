@@ -3,6 +3,8 @@ import os
 import pytest
 from hypothesis import settings
 
+from tests import preimported
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Ray starts its workers at nice 15, below every other process of the machine: the Ray scenarios' ranks and
 # replicas would wait behind the other test worker and CI's environment builds (.ci/run), and the suite's longest
@@ -17,6 +19,12 @@ if not os.path.exists("/dev/nvidia0"):
 settings.register_profile("suite", derandomize=True, max_examples=300)
 settings.register_profile("explore", max_examples=5000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and not os.environ.get(preimported.RUN):  # the run's first process
+        preimported.share_within_run()
+        config.add_cleanup(preimported.end_run)
 
 
 # Tests that are about the training API, not the sampler, use the light transformers sampler: many

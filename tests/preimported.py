@@ -12,22 +12,32 @@ table and .ci/per_test_cpu.py count by cgroup). Torch supports a fork after its 
 forked), and nothing here initialises a device, a thread pool, a thread or a job before the fork. What still runs
 in a fresh interpreter: the frameworks' processes, Ray's workers, and the tests of our command line's own start.
 
+The test processes of one pytest run (xdist's workers) share them: the run's first process makes a folder for
+them (ARCTIC_RL_PREIMPORTED_RUN; tests/conftest.py), the first to ask for an environment starts its interpreter
+there, the others reach it by its socket, and the run ends them (a worker's own took 7 CPU s of imports). Such an
+interpreter forks only for an environment that is its own but for the worker's name and for what its imports set
+themselves (the same values: a test process that imported the libraries first carries them); it refuses any
+other, and the asker forks from one of its own.
+
 `make compat` starts one such interpreter for all its suites (`python -m tests.preimported --listen SOCKET`, named
 to them by ARCTIC_RL_PREIMPORTED_SOCKET and _PYTHON): each child then takes the environment of the test process
 that asked for it, but for what the libraries read at import (the daemon's own, lanes.sh's).
 
 Protocol, one JSON line each way: a request `[id, module, args, stdout_path, stderr_path, cwd, env, cgroup]`; the
 answers `{"id": id, "pid": N}` once the child runs and `{"id": id, "status": S}` (its exit status, or -signal) once
-it has ended. Children run at once, each answered when it ends.
+it has ended, or `{"id": id, "refused": why}`. Children run at once, each answered when it ends.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
+import hashlib
 import itertools
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,7 +51,21 @@ PRELOAD = ("torch", "transformers", "deepspeed", "vllm", "vllm.v1.engine.llm_eng
            "arctic_rl_core.server.run")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = "ARCTIC_RL_PREIMPORTED_SOCKET", "ARCTIC_RL_PREIMPORTED_PYTHON"
+RUN, RUN_OWNER = "ARCTIC_RL_PREIMPORTED_RUN", "ARCTIC_RL_PREIMPORTED_RUN_OWNER"
+WORKER_ONLY = {"PYTEST_XDIST_WORKER"}
+"""What differs between a run's test processes and nothing reads at import."""
+SET_BY_IMPORTS = {"TILELANG_CLEANUP_TEMP_FILES", "TRITON_CACHE_AUTOTUNING", "AITER_SITUV2_A4W4", "LD_LIBRARY_PATH",
+                  "TORCHINDUCTOR_CACHE_DIR", "RAY_CLIENT_MODE", "TORCHINDUCTOR_COMPILE_THREADS",
+                  "PYTORCH_NVML_BASED_CUDA_CHECK"}
+"""What importing PRELOAD set in os.environ (torch 2.13, vLLM 0.32, Ray 2.60, OpenCV's loader): left out of the name of
+a run's interpreter, so that a test process that has imported them finds the one of its environment before. Only a
+hint: the interpreter checks what its own imports set. (Not DS_ACCELERATOR, which our engines set before DeepSpeed's
+import, and so a process that made one: such processes share another interpreter.)"""
 CGROUP_ROOTS = ("/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+
+
+class Refused(Exception):
+    """A run's interpreter does not fork for this environment: it imported in another."""
 
 
 class Child:
@@ -87,10 +111,11 @@ class Interpreter:
     """A preimported interpreter: `python -m tests.preimported` in `env`, or the shared one at `shared` (a socket);
     forks a child per `start`, many at once."""
 
-    def __init__(self, python: str, env: dict, shared: str | None = None):
+    def __init__(self, python: str, env: dict, shared: str | None = None, modules: tuple[str, ...] = PRELOAD):
         self.process = None
         if shared is None:
-            self.process = subprocess.Popen([python, "-m", "tests.preimported"], cwd=ROOT, env=env,
+            self.process = subprocess.Popen([python, "-m", "tests.preimported", "--modules", ",".join(modules)],
+                                            cwd=ROOT, env=env,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             self._requests, answers = self.process.stdin, self.process.stdout
         else:
@@ -114,6 +139,8 @@ class Interpreter:
             self._requests.write(json.dumps([number, *request]) + "\n")
             self._requests.flush()
         started.wait()
+        if "refused" in answer:
+            raise Refused(answer["refused"])
         if "pid" not in answer:
             raise RuntimeError("the preimported interpreter ended without answering (its output is the test's)")
         return Child(answer["pid"], ended, answer)
@@ -133,6 +160,12 @@ class Interpreter:
             if "pid" in answer:
                 box["pid"] = answer["pid"]
                 started.set()
+            elif "refused" in answer:
+                box["refused"] = answer["refused"]
+                with self._lock:
+                    del self._waiting[answer["id"]]
+                started.set()
+                ended.set()
             else:
                 box["status"] = answer["status"]
                 with self._lock:
@@ -163,9 +196,10 @@ class Interpreter:
 
 class Preimported:
     """This process's preimported interpreters, one per Python and environment, or the shared one: each started
-    or reached on first use, left with this process."""
+    or reached on first use, left with this process. `modules`: what those it starts import."""
 
-    def __init__(self):
+    def __init__(self, modules: tuple[str, ...] = PRELOAD):
+        self.modules = modules
         self._interpreters: dict[tuple, Interpreter] = {}
         self._lock = threading.Lock()
         atexit.register(self.close)
@@ -175,7 +209,10 @@ class Preimported:
         """`python -m module args...` as a child of the preimported interpreter, its output written to the files
         `stdout` and `stderr` (the same path: both into one)."""
         env = {key: value for key, value in env.items() if key != "PYTEST_CURRENT_TEST"}  # the test's name changes
-        return self._interpreter(python, env).start(module, list(args), stdout, stderr, cwd, env)
+        try:
+            return self._interpreter(python, env).start(module, list(args), stdout, stderr, cwd, env)
+        except Refused:
+            return self._interpreter(python, env, of_the_run=False).start(module, list(args), stdout, stderr, cwd, env)
 
     def run(self, module: str, args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
         """`python -m module args...` to its end: its status and output, as `subprocess.run(...,
@@ -194,9 +231,12 @@ class Preimported:
             stdout, stderr = (open(path).read() for path in paths)
             return subprocess.CompletedProcess([module, *args], status, stdout, stderr)
 
-    def _interpreter(self, python: str, env: dict) -> Interpreter:
+    def _interpreter(self, python: str, env: dict, of_the_run: bool = True) -> Interpreter:
         shared, shared_python = (os.environ.get(name) for name in SHARED)
         if shared and shared_python and os.path.abspath(python) == os.path.abspath(shared_python):
+            key = ("shared", shared)
+        elif of_the_run and os.environ.get(RUN):
+            shared = _run_interpreter(os.environ[RUN], python, env, self.modules)
             key = ("shared", shared)
         else:
             shared, key = None, (python, tuple(sorted(env.items())))
@@ -211,7 +251,7 @@ class Preimported:
                     if other_key[0] == python and not other.running():
                         other.close()
                         del self._interpreters[other_key]
-                interpreter = self._interpreters[key] = Interpreter(python, env, shared)
+                interpreter = self._interpreters[key] = Interpreter(python, env, shared, self.modules)
             return interpreter
 
     def close(self) -> None:
@@ -219,6 +259,53 @@ class Preimported:
             for interpreter in self._interpreters.values():
                 interpreter.close()
             self._interpreters.clear()
+
+
+def share_within_run() -> None:
+    """This pytest run's processes (this one and the workers it starts) share their interpreters."""
+    os.environ[RUN] = tempfile.mkdtemp(prefix="arctic-rl-preimported-")
+    os.environ[RUN_OWNER] = str(os.getpid())
+
+
+def end_run() -> None:
+    """Ends the run's interpreters (what they still run goes with them) and removes their folder."""
+    folder = os.environ.pop(RUN, None)
+    os.environ.pop(RUN_OWNER, None)
+    if folder is None:
+        return
+    for name in os.listdir(folder):
+        if name.endswith(".pid"):
+            with open(os.path.join(folder, name)) as f:
+                _kill_session(int(f.read()))
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_interpreter(folder: str, python: str, env: dict, modules: tuple[str, ...]) -> str:
+    """The socket of the run's interpreter for `python`, `env` and `modules`, which this process starts if none
+    has."""
+    named_by = sorted((key, value) for key, value in env.items() if key not in WORKER_ONLY | SET_BY_IMPORTS)
+    name = hashlib.sha256(json.dumps([os.path.abspath(python), modules, named_by]).encode()).hexdigest()[:16]
+    path = os.path.join(folder, name)
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # until the file closes
+        if not os.path.exists(path + ".pid"):
+            with open(path + ".log", "w") as log:
+                daemon = subprocess.Popen([python, "-m", "tests.preimported", "--listen", path + ".sock",
+                                           "--modules", ",".join(modules),
+                                           "--run-owner", os.environ.get(RUN_OWNER, str(os.getpid()))],
+                                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+            with open(path + ".pid", "w") as f:
+                f.write(str(daemon.pid))
+    return path + ".sock"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _connected(path: str, timeout_s: float = 60) -> socket.socket:
@@ -350,9 +437,11 @@ class _Connection:
             pass
 
 
-def serve(listen: str | None = None, modules: tuple[str, ...] = PRELOAD) -> None:
+def serve(listen: str | None = None, modules: tuple[str, ...] = PRELOAD, run_owner: int | None = None) -> None:
     """Answer the process that started this one on its standard input and output; with `listen`, any process that
-    connects to the socket at that path, until ended by a signal. `modules`: those imported before any fork."""
+    connects to the socket at that path, until ended by a signal. `modules`: those imported before any fork.
+    `run_owner`: a pytest run's interpreter (with `listen`), which forks only for its own environment and ends
+    once that process has gone (a run that ended without ending it)."""
     import importlib
 
     from arctic_rl_core.process_exit import exit_now
@@ -366,15 +455,27 @@ def serve(listen: str | None = None, modules: tuple[str, ...] = PRELOAD) -> None
     # Answers go out on a descriptor of their own: what the imports log to standard output goes to standard error.
     connections = {} if listener else {0: _Connection(0, os.fdopen(os.dup(1), "w"))}
     os.dup2(2, 1)
+    imported_in = dict(os.environ)
     for name in modules:
         importlib.import_module(name)
+    set_by_imports = {key for key in set(os.environ) | set(imported_in) if os.environ.get(key) != imported_in.get(key)}
+
+    def refusal(env: dict) -> str | None:
+        """Why a child in `env` would not be the one a fresh interpreter runs, if so."""
+        if run_owner is None:
+            return None
+        differing = {key for key in (set(env) | set(imported_in)) - WORKER_ONLY if env.get(key) != imported_in.get(key)
+                     and not (key in set_by_imports and env.get(key) == os.environ.get(key))}
+        return f"imported in another environment: {sorted(differing)}" if differing else None
 
     # One thread: requests, connections and children's ends are all waited for here (a thread beside a fork could
     # hold a lock that the child then inherits held).
     running: dict[int, tuple[_Connection, int]] = {}  # pid -> (asker, request id)
     while connections or running or listener:
         watched = list(connections) + ([listener.fileno()] if listener else [])
-        readable = select.select(watched, [], [], 0.1 if running else None)[0] if watched else []
+        readable = select.select(watched, [], [], 0.1 if running else 1 if run_owner else None)[0] if watched else []
+        if run_owner is not None and not running and not alive(run_owner):
+            break
         if not watched:
             pid, status = os.waitpid(-1, 0)
             asker, request = running.pop(pid)
@@ -398,6 +499,9 @@ def serve(listen: str | None = None, modules: tuple[str, ...] = PRELOAD) -> None
             while b"\n" in asker.pending:
                 line, asker.pending = asker.pending.split(b"\n", 1)
                 request, module, args, stdout_path, stderr_path, cwd, env, cgroup = json.loads(line)
+                if refusal(env):
+                    asker.answer(id=request, refused=refusal(env))
+                    continue
                 sys.stdout.flush()  # what the imports left in the streams' buffers is not the child's output
                 sys.stderr.flush()
                 pid = os.fork()
@@ -426,5 +530,7 @@ if __name__ == "__main__":
     parser.add_argument("--listen", metavar="SOCKET", help="serve any process that connects here (make compat)")
     parser.add_argument("--modules", type=lambda names: tuple(filter(None, names.split(","))), default=PRELOAD,
                         help="the modules to import first, comma-separated (default: the engines')")
+    parser.add_argument("--run-owner", type=int, metavar="PID",
+                        help="with --listen: a pytest run's, for its own environment only, until PID has gone")
     options = parser.parse_args()
-    serve(options.listen, options.modules)
+    serve(options.listen, options.modules, options.run_owner)

@@ -72,9 +72,9 @@ def test_one_shared_interpreter_serves_each_asker_in_its_own_environment_and_out
                               stdout=log, stderr=log)
         first.close()  # the first asker leaves: its sleeper is ended, the daemon serves on
         deadline = time.monotonic() + 60
-        while pid_alive(sleeper.pid) and time.monotonic() < deadline:
+        while preimported.alive(sleeper.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not pid_alive(sleeper.pid) and daemon.poll() is None
+        assert not preimported.alive(sleeper.pid) and daemon.poll() is None
         assert second.run("platform", [], env=standalone_env(), timeout=60).stdout.strip() == platform.platform()
     finally:
         first.close()
@@ -83,18 +83,75 @@ def test_one_shared_interpreter_serves_each_asker_in_its_own_environment_and_out
         assert daemon.wait(30) == 0
 
 
+def test_a_runs_processes_share_one_interpreter_per_environment_that_forks_only_for_its_own(tmp_path, monkeypatch):
+    """A pytest run's (ARCTIC_RL_PREIMPORTED_RUN): a second process of the run, which differs by the worker's name
+    and by what the imports set themselves, is served by the interpreter the first one started; a process whose
+    environment would import otherwise is refused there and forks from an interpreter of its own. The run ends
+    them, and an interpreter whose run has gone ends by itself."""
+    for name in preimported.SHARED:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(preimported.RUN, str(tmp_path))
+    monkeypatch.setenv(preimported.RUN_OWNER, str(os.getpid()))
+    probe = ("tests.preimport_probe",)  # sets TORCHINDUCTOR_COMPILE_THREADS=1 as it is imported
+    first, second = preimported.Preimported(probe), preimported.Preimported(probe)
+    base = {k: v for k, v in standalone_env().items() if k != "TORCHINDUCTOR_COMPILE_THREADS"}
+    parent = ["-n1", "-r1", "import os; print(os.getppid())"]
+
+    def parent_of_child(asker, **env) -> int:
+        out = str(tmp_path / "out.log")
+        assert asker.start("timeit", parent, env={**base, **env}, stdout=out, stderr=out).wait(60) == 0
+        return int(open(out).read().split()[0])
+
+    try:
+        served_first = parent_of_child(first, PYTEST_XDIST_WORKER="gw0")
+        [daemon] = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert served_first == daemon
+        assert parent_of_child(second, PYTEST_XDIST_WORKER="gw1", TORCHINDUCTOR_COMPILE_THREADS="1") == daemon
+        own = parent_of_child(second, PYTEST_XDIST_WORKER="gw1", TORCHINDUCTOR_COMPILE_THREADS="4")
+        assert own != daemon and is_child_of_this_process(own)
+        assert len(list(tmp_path.glob("*.pid"))) == 1
+    finally:
+        first.close()
+        second.close()
+    preimported.end_run()
+    assert not tmp_path.exists() and ended(daemon)
+
+    monkeypatch.setenv(preimported.RUN, str(tmp_path))
+    owner = subprocess.Popen(["sleep", "600"])
+    monkeypatch.setenv(preimported.RUN_OWNER, str(owner.pid))
+    tmp_path.mkdir()
+    asker = preimported.Preimported(probe)
+    try:
+        assert asker.run("platform", [], env=base, timeout=60).returncode == 0
+        [daemon] = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        owner.kill()
+        owner.wait()
+        assert ended(daemon)
+    finally:
+        asker.close()
+        preimported.end_run()
+
+
+def ended(pid: int, timeout_s: float = 30) -> bool:
+    """Gone, or a zombie (a run's interpreter is a child of the process that started it, which need not reap it),
+    within `timeout_s`."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def is_child_of_this_process(pid: int) -> bool:
     import psutil
 
     try:
         return psutil.Process(pid).ppid() == os.getpid()
     except psutil.NoSuchProcess:
-        return False
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
         return False
