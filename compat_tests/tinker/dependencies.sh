@@ -15,5 +15,7 @@ if [ ! -f "$STAMP" ]; then
   uv_venv "$VENV" "$PYTHON" 24.3.1
   mapfile -t local_wheels < <(pip_find_links)  # the local CPU torch
   uv_pip "$VENV" "${local_wheels[@]}" "torch==2.13.0" "tinker==0.38.0" "tinker-cookbook==0.5.8" "pytest==9.2.0"
+  # what the tenants' loops import, at once
+  uv_warm "$VENV" tinker_cookbook.rl.train tinker_cookbook.supervised.train pytest
   touch "$STAMP"
 fi

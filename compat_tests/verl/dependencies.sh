@@ -15,5 +15,9 @@ if [ ! -f "$STAMP" ]; then
   mapfile -t local_wheels < <(pip_find_links)
   uv_pip "$VENV" "${local_wheels[@]}" "torch==2.13.0" "verl[verl-core]==0.9.1" "pytest==9.2.0" "pandas>=2" \
     "pyarrow>=15"
+  # what main_ppo's driver and Ray actors import, at once
+  uv_warm "$VENV" verl.trainer.main_ppo verl.trainer.ppo.v1.agent_loop_tq verl.experimental.agent_loop.agent_loop \
+    verl.experimental.reward_loop.reward_loop verl.single_controller.ray.base verl.workers.rollout.router \
+    transfer_queue.controller transfer_queue.storage.simple_storage pandas pytest
   touch "$STAMP"
 fi
