@@ -499,8 +499,9 @@ def serve(listen: str | None = None, modules: tuple[str, ...] = PRELOAD, run_own
             while b"\n" in asker.pending:
                 line, asker.pending = asker.pending.split(b"\n", 1)
                 request, module, args, stdout_path, stderr_path, cwd, env, cgroup = json.loads(line)
-                if refusal(env):
-                    asker.answer(id=request, refused=refusal(env))
+                refused = refusal(env)
+                if refused:
+                    asker.answer(id=request, refused=refused)
                     continue
                 sys.stdout.flush()  # what the imports left in the streams' buffers is not the child's output
                 sys.stderr.flush()
